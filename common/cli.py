@@ -1,0 +1,133 @@
+"""所有 run.py 共用的命令行、模型加载、错误处理与 JSON 输出（契约见 shared/notes/run-cli.md）。"""
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .device import pick_device, pick_dtype
+from .errors import UserError
+from .prepare import resolve_model
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse 默认打印用法 + "prog: error:"；契约要求一行 "error: ..."、状态码 2
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def make_parser(description: str) -> Parser:
+    p = Parser(description=description)
+    p.add_argument("--quick", action="store_true", help="同样的检查，更小的基准（CI 用）")
+    p.add_argument("--model", default=None, help="本地 HF 目录（llama / qwen2 / qwen3）；默认 SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
+    p.add_argument("--prompt", action="append", default=None, help="生成模式：可重复给多个")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--ignore-eos", action="store_true", help="EOS 当普通 token，正好生成 N 个")
+    p.add_argument("--chat", action="store_true", help="用分词器的对话模板包装提示词")
+    return p
+
+
+@dataclass
+class Session:
+    model: torch.nn.Module
+    tok: Tokenizer
+    cfg: ModelConfig
+    path: Path
+    device: str
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def encode(self, text: str, chat: bool = False, max_new_tokens: int = 0) -> list[int]:
+        """编码并检查长度：提示词 + 要生成的 token 不能超过模型的上下文长度。"""
+        ids = self.tok.encode(text, chat)
+        ctx = self.cfg.max_position_embeddings
+        if len(ids) + max_new_tokens > ctx:
+            raise UserError(f"prompt has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                            f"that exceeds the model's context of {ctx} tokens")
+        return ids
+
+    @torch.inference_mode()
+    def full_logits(self, ids: list[int]) -> torch.Tensor:
+        """整段重算一次前向，返回 (T, V)：teacher-forcing 参考与分歧容差检查用。"""
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(len(ids), device=self.device)[None]
+        return self.model(x, pos)[0]
+
+
+def load_session(args) -> Session:
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    path = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(path)
+    tok = Tokenizer(path)
+    model = load_model(path, device, dtype)
+    return Session(model, tok, cfg, path, device, dtype)
+
+
+def emit_json(obj: dict) -> None:
+    print(json.dumps(obj, ensure_ascii=False))
+
+
+def chapter_json(step: str, s: Session, checks: dict, figures: dict) -> dict:
+    return {"step": step, "model_path": str(s.path), "device": s.device, "dtype": s.dtype_name,
+            "checks": {k: bool(v) for k, v in checks.items()}, "figures": figures}
+
+
+def generation_json(s: Session, prompts: list[str], prompt_ids: list[list[int]], outputs: list[list[int]]) -> dict:
+    return {"model_path": str(s.path), "results": [
+        {"prompt": p, "prompt_ids": ids, "output_ids": out, "text": s.tok.decode(out)}
+        for p, ids, out in zip(prompts, prompt_ids, outputs)]}
+
+
+def print_generations(s: Session, prompts, outputs) -> None:
+    for p, out in zip(prompts, outputs):
+        print(f"--- prompt: {p!r}  ({len(out)} new tokens)")
+        print(s.tok.decode(out))
+
+
+def print_checks(checks: dict, notes: list[str] = ()) -> None:
+    """只打印检查真实算出来的结果：✅ 只给真正通过的检查。"""
+    print("\n检查:")
+    for name, ok in checks.items():
+        print(f"  {'✅' if ok else '❌'} {name}")
+    for n in notes:
+        print(f"  · {n}")
+
+
+def run_main(parser: Parser, main, argv=None) -> None:
+    """运行 main(args)；UserError → stderr 一行 `error: ...`、退出码 2，不打印 traceback。
+    main 返回 False 表示有检查没通过（退出码 1）。"""
+    args = parser.parse_args(argv)
+    if args.prompt is not None and any(not p for p in args.prompt):
+        print("error: empty prompt", file=sys.stderr)
+        sys.exit(2)
+    try:
+        ok = main(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(0 if ok is not False else 1)

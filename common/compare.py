@@ -1,0 +1,51 @@
+"""token 级比较，按 shared/notes/run-cli.md 的 "What 'equal' means"：
+
+找到两条序列第一个不同的位置；只有当参考序列在该位置的 top-2 logit 差（由参考序列的 teacher-forcing
+前向算出，而不是假设）小于容差时才接受（浮点末位不同可以让几乎打平的 argmax 翻转），之后的 token 不再比较。
+其余任何不同都是失败。每个被接受的分歧都按名字报告（提示词、位置、差值）。
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+MARGIN_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # bf16 只有 8 位尾数，容差放宽
+
+
+@dataclass
+class Comparison:
+    name: str
+    equal: bool                      # 完全一致
+    ok: bool                         # 一致，或分歧被接受
+    position: Optional[int] = None   # 第一个不同的输出位置
+    margin: Optional[float] = None   # 参考序列在该位置的 top-2 logit 差
+    ref_token: Optional[int] = None
+    got_token: Optional[int] = None
+
+    def describe(self) -> str:
+        if self.equal:
+            return f"{self.name}: identical"
+        verdict = "accepted (near-tie)" if self.ok else "MISMATCH"
+        return (f"{self.name}: {verdict} at output position {self.position}: "
+                f"ref {self.ref_token} vs got {self.got_token}, ref top-2 margin {self.margin:.2e}")
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+@torch.inference_mode()
+def compare(name: str, prompt_ids: list[int], ref: list[int], got: list[int],
+            logits_fn: Callable[[list[int]], torch.Tensor], tol: float) -> Comparison:
+    """logits_fn(ids) -> (len(ids), V)：对 prompt+参考输出做一次 teacher-forcing 前向（整段重算）。"""
+    if ref == got:
+        return Comparison(name, True, True)
+    n = min(len(ref), len(got))
+    pos = next((i for i in range(n) if ref[i] != got[i]), None)
+    if pos is None:  # 一条是另一条的前缀：长度不同却没有不同的 token，说明停止逻辑有 bug
+        return Comparison(name, False, False, n, float("nan"),
+                          ref[n] if len(ref) > n else None, got[n] if len(got) > n else None)
+    logits = logits_fn(prompt_ids + ref[:pos])   # 只需要到分歧位置为止
+    margin = top2_margin(logits[-1])
+    return Comparison(name, False, margin < tol, pos, margin, ref[pos], got[pos])

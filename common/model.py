@@ -1,0 +1,206 @@
+"""Llama 系列解码器（llama / qwen2 / qwen3），从零实现，可以从上读到下。
+
+形状记号见 common/shapes.py：B, L, S, E, F, V, H, H_kv, D。
+
+forward(input_ids, positions, cache=None, mask=None)：
+  - positions 显式传入（RoPE 用真实位置，后面有 KV cache 时要加上偏移）；
+  - cache 是一个只需实现 `update(layer_idx, k, v) -> (k_all, v_all)` 的对象：
+    step01/02 不传（每步重算整段序列），step03 传入连续缓存，step05 传入分页缓存，模型代码一行不改；
+  - mask 为 None 时用"右下对齐"的因果掩码（第 i 个 query 看得到它之前的所有 key）；
+    step04/05 的填充与分页需要逐行掩码时，由引擎构造后传入，形状可广播到 (B, 1, 1, L, S)。
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+class Linear(nn.Module):
+    """与 nn.Linear 算的一样（y = x·Wᵀ + b），只是权重按 (in, out) 存放、直接算 x @ W。
+    为什么：decode 时每层都是"向量 × 矩阵"，只读权重一遍；在这些 CPU 上 MKL 对 (in, out) 布局的
+    矩阵-向量乘能跑到约 20 GB/s，而 nn.Linear 的 (out, in) 布局只有约 11 GB/s（common/bench.py 里可复测）。
+    加载时把 HF 检查点里的 (out, in) 权重转置一次（common/weights.py）。"""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))  # (in, out)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        y = x @ self.weight                          # (..., in) x (in, out) -> (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight；在 float32 里算，避免 bf16 下平方和溢出/丢精度。"""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """每对维度 (i, i + D/2) 的旋转角速度 θ_i = theta^(-2i/D)，以及 linear / llama3 两种长上下文缩放。"""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
+    rs = cfg.rope_scaling
+    if rs["rope_type"] == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif rs["rope_type"] == "llama3":
+        # Llama 3.1: 低频（长波长）分量除以 factor，高频不动，中间平滑过渡
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq  # (D/2,)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(cfg)  # 普通属性而非 buffer：不进 state_dict，也不受 meta 设备影响
+
+    def forward(self, positions, dtype):
+        """positions (B, L) 整数 → cos, sin 各 (B, L, D)。"""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq    # (B, L, 1) * (D/2,) -> (B, L, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                 # (B, L, D)：前后两半共用同一组角度
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)            # (..., D/2) 各一半
+    return torch.cat((-x2, x1), dim=-1)    # 把 (x1, x2) 旋转 90°：(-x2, x1)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, heads, L, D)，cos/sin (B, L, D)：第 i 对分量 (x_i, x_{i+D/2}) 旋转角度 pos·θ_i。"""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, L, D)，对所有头广播
+    return x * cos + rotate_half(x) * sin
+
+
+def causal_mask(L: int, S: int, device) -> torch.Tensor:
+    """(L, S) 布尔矩阵，True = 可以看。右下对齐：第 i 个 query 位于绝对位置 S-L+i，看得到 key 0..S-L+i。
+    没有缓存时 L == S，就是普通的下三角；decode 时 L == 1，唯一的 query 看得到全部 S 个 key。"""
+    return torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.H, self.H_kv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        E = cfg.hidden_size
+        self.q_proj = Linear(E, self.H * self.D, bias=cfg.qkv_bias)
+        self.k_proj = Linear(E, self.H_kv * self.D, bias=cfg.qkv_bias)
+        self.v_proj = Linear(E, self.H_kv * self.D, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.H * self.D, E, bias=cfg.o_bias)
+        if cfg.qk_norm:  # qwen3：每个头的 q、k 在 RoPE 之前各做一次 RMSNorm
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        B, L, _ = x.shape
+        H, H_kv, D = self.H, self.H_kv, self.D
+        G = H // H_kv
+        q = self.q_proj(x).view(B, L, H, D)        # (B, L, E) -> (B, L, H, D)
+        k = self.k_proj(x).view(B, L, H_kv, D)     # (B, L, H_kv, D)
+        v = self.v_proj(x).view(B, L, H_kv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, L, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is not None:
+            # 缓存只存 H_kv 个头（不存重复后的 H 个头）；返回含历史的全部 K/V
+            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D)
+        S = k.shape[2]
+
+        # GQA：query 头 h 使用 KV 头 h // G。把 H 拆成 (H_kv, G)，同组 G 个头和 L 个位置并成一维，
+        # 这样一次 matmul 就让 G 个 query 头共享同一份 K/V，不需要把 K/V 复制 G 份。
+        q = q.reshape(B, H_kv, G * L, D)                          # (B, H, L, D) -> (B, H_kv, G·L, D)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D)           # (B, H_kv, G·L, D) x (B, H_kv, D, S) -> (B, H_kv, G·L, S)
+        scores = scores.view(B, H_kv, G, L, S)
+        if mask is None:
+            mask = causal_mask(L, S, x.device)                    # (L, S)
+        # 用 dtype 的最小值而不是 -inf：整行都被遮住（填充行）时 softmax 不会出 NaN
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # 在 float32 里做 softmax
+        out = probs.view(B, H_kv, G * L, S) @ v                   # (B, H_kv, G·L, S) x (B, H_kv, S, D) -> (B, H_kv, G·L, D)
+        out = out.view(B, H, L, D).transpose(1, 2).reshape(B, L, H * D)  # -> (B, L, H·D)
+        return self.o_proj(out)                                   # (B, L, E)
+
+
+class MLP(nn.Module):
+    """SwiGLU：down( silu(gate(x)) * up(x) )。"""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, Fd = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(E, Fd, bias=cfg.mlp_bias)
+        self.up_proj = Linear(E, Fd, bias=cfg.mlp_bias)
+        self.down_proj = Linear(Fd, E, bias=cfg.mlp_bias)
+
+    def forward(self, x):                                         # (B, L, E)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, L, F) -> (B, L, E)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm 残差块：x + Attn(Norm(x))，再 x + MLP(Norm(x))。"""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """参数名与 HF 的 `model.*` / `lm_head.*` 一一对应（去掉前缀 "model."），权重可以直接装进来。"""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # tie 时装入 embed_tokens 的转置副本
+        self.rope = RotaryEmbedding(cfg)
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, input_ids, positions, cache=None, mask=None, last_only=False):
+        """input_ids, positions: (B, L) → logits (B, L, V)；last_only=True 时只算最后一个位置 (B, 1, V)。"""
+        x = self.embed_tokens(input_ids)                 # (B, L) -> (B, L, E)
+        cos, sin = self.rope(positions, x.dtype)         # (B, L, D) 各一份，所有层共用
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, mask)
+        if last_only:
+            x = x[:, -1:]                                # 生成只需要最后一个位置：省掉 (L-1)·E·V 次乘加
+        return self.lm_head(self.norm(x)).float()        # (B, L, E) x (E, V) -> (B, L, V)，logits 统一用 float32
