@@ -76,9 +76,13 @@ class Session:
 
 
 def load_session(args) -> Session:
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    path = resolve_model(args.model)
+    return open_session(args.model, args.device, args.dtype)
+
+
+def open_session(model_dir: str | None = None, device: str = "auto", dtype: str = "auto") -> Session:
+    device = pick_device(device)
+    dtype = pick_dtype(dtype, device)
+    path = resolve_model(model_dir)
     cfg = ModelConfig.from_dir(path)
     tok = Tokenizer(path)
     model = load_model(path, device, dtype)

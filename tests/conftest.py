@@ -1,0 +1,59 @@
+"""共用的测试夹具：真实默认模型（只加载一次）、离线创建的随机小模型、运行 run.py 的辅助函数。"""
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.cli import open_session  # noqa: E402
+from common.weights import load_model  # noqa: E402
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """用 transformers 的配置类离线造一个随机小模型（hidden 64，4 个 query 头 / 2 个 KV 头），存成 HF 目录。
+    只供单元测试：结构与真实模型相同，数值没有意义。"""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+              tie_word_embeddings=False, eos_token_id=1, bos_token_id=0)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real():
+    """真实默认模型 SmolLM2-135M-Instruct（CPU，float32），整个测试会话只加载一次。"""
+    return open_session(None, "cpu", "float32")
+
+
+@dataclass
+class Tiny:
+    arch: str
+    path: Path
+    model: torch.nn.Module   # 我们的 Transformer
+    cfg: object              # ModelConfig
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny(request, tmp_path_factory) -> Tiny:
+    """三种架构各一个随机小模型（CPU，float32，没有分词器：测试直接用 token id）。"""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+    model = load_model(path, "cpu", torch.float32)
+    return Tiny(request.param, path, model, model.cfg)
+
+
+def run_py(step: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """像学习者一样在命令行运行某一步的 run.py。"""
+    return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
