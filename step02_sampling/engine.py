@@ -1,0 +1,36 @@
+"""step02：step01 的朴素循环（每步整段重算，O(n²)），只改两件事：
+怎么选下一个 token（采样器代替 argmax），以及什么时候停（多了停止字符串）。
+"""
+import torch
+
+from step02_sampling.sampler import SamplingParams, make_generator, sample
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, eos_ids=(),
+             ignore_eos: bool = False, stop_strings=(), tokenizer=None) -> list[int]:
+    """返回新 token。停止条件：生成满 max_new_tokens；生成了 EOS（包含这个 EOS，同 HF）；
+    新生成文本里出现任一停止字符串（包含补全它的那个 token，同 HF 的 StopStringCriteria）。"""
+    # >>> step02 新增：检查参数；每次调用一个自己的随机数发生器（种子相同 → 输出相同）
+    params.validate()
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode the generated text")
+    generator = make_generator(params.seed, model.device)
+    # <<<
+    ids = list(prompt_ids)
+    out = []
+    for _ in range(max_new_tokens):
+        x = torch.tensor([ids], device=model.device)              # (1, T)：整段序列，每步都从头算
+        pos = torch.arange(len(ids), device=model.device)[None]   # (1, T)：位置 0..T-1
+        logits = model(x, pos, last_only=True)[0, -1]             # (V,)：只要最后一个位置的下一个 token 分布
+        tok = sample(logits, ids, params, generator)              # step02 修改：采样器代替 argmax（ids 供重复惩罚用）
+        ids.append(tok)
+        out.append(tok)
+        if tok in eos_ids and not ignore_eos:
+            break
+        # >>> step02 新增：停止字符串。只在新生成的文本里找；每步解码全部新 token 是 O(n) 的，
+        # 比起每步 O(n) 的整段前向可以忽略（也能避免只看最后一个 token 时漏掉跨 token 的停止串）
+        if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
+            break
+        # <<<
+    return out
