@@ -84,8 +84,8 @@ def open_session(model_dir: str | None = None, device: str = "auto", dtype: str 
     dtype = pick_dtype(dtype, device)
     path = resolve_model(model_dir)
     cfg = ModelConfig.from_dir(path)
-    tok = Tokenizer(path)
     model = load_model(path, device, dtype)
+    tok = Tokenizer(path)
     return Session(model, tok, cfg, path, device, dtype)
 
 
@@ -129,7 +129,8 @@ def run_main(parser: Parser, main, argv=None) -> None:
     try:
         ok = main(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split())  # 契约：恰好一行（底层库的消息可能跨多行）
+        print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
