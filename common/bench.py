@@ -43,6 +43,8 @@ def machine() -> str:
     except OSError:
         pass
     desc = f"{name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    if hasattr(os, "getloadavg"):  # 负载高时（别的进程在抢 CPU）计时不可信：把它印在表头
+        desc += f", load avg {os.getloadavg()[0]:.1f}"
     if torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name()}"
     return desc

@@ -49,6 +49,8 @@ class ModelConfig:
             if rope_type not in ROPE_TYPES:
                 raise UserError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
             attention_bias = bool(c.get("attention_bias", False))
+            if c.get("use_sliding_window"):
+                raise UserError("sliding-window attention (use_sliding_window=true) is not supported")
             cfg = cls(
                 model_type=mt,
                 vocab_size=int(c["vocab_size"]),

@@ -2,7 +2,7 @@
 
 形状记号见 common/shapes.py：B, L, S, E, F, V, H, H_kv, D。
 
-forward(input_ids, positions, cache=None, mask=None)：
+forward(input_ids, positions, cache=None, mask=None, last_only=False)：
   - positions 显式传入（RoPE 用真实位置，后面有 KV cache 时要加上偏移）；
   - cache 是一个只需实现 `update(layer_idx, k, v) -> (k_all, v_all)` 的对象：
     step01/02 不传（每步重算整段序列），step03 传入连续缓存，step05 传入分页缓存，模型代码一行不改；
@@ -21,7 +21,7 @@ from .config import ModelConfig
 class Linear(nn.Module):
     """与 nn.Linear 算的一样（y = x·Wᵀ + b），只是权重按 (in, out) 存放、直接算 x @ W。
     为什么：decode 时每层都是"向量 × 矩阵"，只读权重一遍；在这些 CPU 上 MKL 对 (in, out) 布局的
-    矩阵-向量乘能跑到约 20 GB/s，而 nn.Linear 的 (out, in) 布局只有约 11 GB/s（common/bench.py 里可复测）。
+    矩阵-向量乘能跑到约 20 GB/s，而 nn.Linear 的 (out, in) 布局只有约 11 GB/s（复测脚本见 docs/01_naive.md）。
     加载时把 HF 检查点里的 (out, in) 权重转置一次（common/weights.py）。"""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
