@@ -1,0 +1,204 @@
+"""step04_static_batching：静态批处理 —— 先证明每个请求在批里的输出与 step03 单独生成逐 token 一致，再测三种浪费和吞吐。
+
+    python step04_static_batching/run.py [--quick] [--json] [--max-batch-size 8]          # 章节模式：检查 + 基准
+    python step04_static_batching/run.py --prompt "A" --prompt "B" --max-new-tokens 16 \\
+        [--max-batch-size 8] [--temperature 0.8 --seed 1 ...]                            # 生成模式：所有提示词一起跑
+"""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from common import cli  # noqa: E402
+from common.bench import machine, median_time, memory_bandwidth, table  # noqa: E402
+from common.compare import MARGIN_TOL, compare  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
+from step02_sampling.sampler import SamplingParams, add_sampling_args, params_from_args  # noqa: E402
+from step03_kvcache_single.engine import generate as generate_step03  # noqa: E402
+from step04_static_batching.engine import generate_batch  # noqa: E402
+from step04_static_batching.request import Request  # noqa: E402
+
+STEP = "step04_static_batching"
+SEEDED = dict(temperature=0.8, top_p=0.95)   # 带种子采样的检查：每个请求一个自己的种子 100 + i
+SEED_BASE = 100
+
+
+def chapter_workload(s: cli.Session) -> list[tuple[str, list[int], int]]:
+    """(名字, 提示词 ids, max_new_tokens)，按"到达顺序"排列：提示词约 5 到 500 个 token，
+    新 token 上限各不相同；两条对话提示词通常几个 token 后就以 EOS 自然结束。
+    长提示词取 LONG_PROMPT 的前 n 个 token。"""
+    prompts = {name: (text, chat) for name, text, chat in CHAPTER_PROMPTS}
+    long_ids = s.tok.encode(LONG_PROMPT)
+    return [
+        ("english", s.encode(*prompts["english"]), 32),
+        ("long_500", long_ids[:500], 16),
+        ("chat", s.encode(*prompts["chat"]), 48),
+        ("chinese", s.encode(*prompts["chinese"]), 24),
+        ("long_250", long_ids[:250], 8),
+        ("chat_yes_no", s.encode("Reply with one word: yes or no?", chat=True), 32),
+        ("code", s.encode(*prompts["code"]), 40),
+        ("long_120", long_ids[:120], 24),
+    ]
+
+
+def timed(fn):
+    t = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t
+
+
+def run_step03(s: cli.Session, requests: list[Request]) -> list[list[int]]:
+    """基线：step03 一个一个地单独生成。"""
+    return [generate_step03(s.model, r.prompt_ids, r.max_new_tokens, r.params, s.tok.eos_ids, r.ignore_eos)
+            for r in requests]
+
+
+def compare_all(s: cli.Session, label: str, names, requests, refs, outputs, checks: dict, notes: list) -> None:
+    tol = MARGIN_TOL[s.dtype]
+    for name, r, ref, got in zip(names, requests, refs, outputs):
+        c = compare(f"{label}/{name}", r.prompt_ids, ref, got, s.full_logits, tol)
+        checks[f"{label}_{name}"] = c.ok
+        notes.append(c.describe())
+
+
+def check_workload(args, s: cli.Session, checks: dict, notes: list) -> dict:
+    """混合负载：贪心与带种子采样各跑一遍（step03 逐个 vs step04 一批），再单独跑每个请求证明填充不改变输出。"""
+    workload = chapter_workload(s)
+    names = [name for name, _, _ in workload]
+    greedy = [Request(ids, n, SamplingParams()) for _, ids, n in workload]
+    seeded = [Request(ids, n, SamplingParams(**SEEDED, seed=SEED_BASE + i)) for i, (_, ids, n) in enumerate(workload)]
+    B = args.max_batch_size
+
+    # (a) 贪心：每个请求在批里的输出 = step03 单独生成的输出
+    refs, t_seq = timed(lambda: run_step03(s, greedy))
+    (outputs, stats), t_batch = timed(lambda: generate_batch(s.model, greedy, B, s.tok.eos_ids))
+    compare_all(s, "greedy_equals_step03", names, greedy, refs, outputs, checks, notes)
+    # (b) 带种子采样：每个请求自己的发生器，与 step03 单独生成消耗同一串随机数
+    seeded_refs = run_step03(s, seeded)
+    seeded_out, _ = generate_batch(s.model, seeded, B, s.tok.eos_ids)
+    compare_all(s, "seeded_equals_step03", names, seeded, seeded_refs, seeded_out, checks, notes)
+    # (c) 填充不改变输出：同一个请求单独成批（没有填充）与在批里（被左填充到最长）给出相同的 token
+    alone, _ = generate_batch(s.model, greedy, 1, s.tok.eos_ids)
+    compare_all(s, "alone_equals_in_batch", names, greedy, alone, outputs, checks, notes)
+
+    rows = []
+    for i, (name, r, out) in enumerate(zip(names, greedy, outputs)):
+        group = range(i - i % B, min(i - i % B + B, len(greedy)))            # 它所在的那一批
+        P = max(len(greedy[j].prompt_ids) for j in group)
+        longest = max(len(outputs[j]) for j in group)
+        ended = "EOS" if out[-1] in s.tok.eos_ids else "长度"
+        rows.append([name, len(r.prompt_ids), P - len(r.prompt_ids), r.max_new_tokens, len(out), ended,
+                     longest - len(out), repr(s.tok.decode(out)[:40])])
+    print(f"混合负载（{len(greedy)} 个请求，--max-batch-size {B}，贪心）：")
+    print(table(["请求", "提示词", "左填充", "max_new", "生成", "结束于", "陪跑步数", "输出开头"], rows))
+
+    kv_bytes = s.cfg.kv_bytes_per_token(s.dtype.itemsize)
+    mib = lambda slots: f"{slots * kv_bytes / 2**20:.1f} MiB"  # noqa: E731
+    print(f"\n三种浪费（{stats.num_batches} 批，{stats.num_forwards} 次前向；KV 每 token {kv_bytes / 1024:.1f} KiB）:")
+    print(table(["浪费", "浪费掉的", "总共", "比例"], [
+        ["prefill 填充", f"{stats.prefill_padding_slots} 个填充槽位", f"{stats.prefill_slots} 个槽位 (B×P)",
+         f"{stats.prefill_padding_waste:.1%}"],
+        ["decode 空转", f"{stats.decode_idle_row_steps} 行·步", f"{stats.decode_row_steps} 行·步 (B×步数)",
+         f"{stats.decode_idle_waste:.1%}"],
+        ["KV 预留", f"{stats.kv_slots_reserved - stats.kv_slots_used} 个槽位 ({mib(stats.kv_slots_reserved - stats.kv_slots_used)})",
+         f"{stats.kv_slots_reserved} 个槽位 ({mib(stats.kv_slots_reserved)})", f"{stats.kv_reserved_waste:.1%}"],
+    ]))
+    tokens = stats.generated_tokens
+    print(f"\n同一混合负载的时间（各只跑一次）：step03 逐个 {t_seq:.1f} s（{tokens / t_seq:.1f} tokens/s），"
+          f"step04 批大小 {B} {t_batch:.1f} s（{tokens / t_batch:.1f} tokens/s），{t_seq / t_batch:.2f}×")
+    return {"batch_size": B,
+            "prefill_padding_waste": round(stats.prefill_padding_waste, 4),
+            "decode_idle_waste": round(stats.decode_idle_waste, 4),
+            "kv_reserved_waste": round(stats.kv_reserved_waste, 4),
+            "mixed_workload_ratio_vs_sequential": round(t_seq / t_batch, 3)}
+
+
+def matmul_flops(device, n: int = 1024) -> float:
+    """这台机器 float32 矩阵乘的实测算力（FLOP/s）：大方阵乘法，算术强度高，接近计算上限。"""
+    a = torch.randn(n, n, device=device)
+    return 2 * n**3 / median_time(lambda: a @ a, repeats=5, warmup=2, device=device)
+
+
+def benchmark(args, s: cli.Session) -> dict:
+    """吞吐随批大小的变化。负载：不同内容、同样长度的提示词（LONG_PROMPT 里互不重叠的 32 个 token），
+    --ignore-eos 都生成同样多的 token —— 没有填充也没有空转，只看"一次读权重服务 B 行"本身带来多少。"""
+    num_requests, new_tokens, plen = (8, 16, 32) if args.quick else (16, 64, 32)
+    sizes = sorted({1, 4, 8, args.max_batch_size} if args.quick else {1, 2, 4, 8, 16, args.max_batch_size})
+    long_ids = s.tok.encode(LONG_PROMPT)
+    requests = [Request(long_ids[i * plen:(i + 1) * plen], new_tokens, SamplingParams(), ignore_eos=True)
+                for i in range(num_requests)]
+    tokens = num_requests * new_tokens
+
+    generate_batch(s.model, requests[:2], 2, s.tok.eos_ids)                  # 预热
+    _, t_seq = timed(lambda: run_step03(s, requests))
+    rows = [["step03 逐个", "-", num_requests * new_tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×",
+             f"{t_seq / (num_requests * new_tokens) * 1e3:.1f}"]]
+    tok_s = {}
+    for b in sizes:
+        (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
+        tok_s[b] = tokens / t
+        rows.append([f"step04 批大小 {b}", stats.num_batches, stats.num_forwards, f"{t:.2f}", f"{tok_s[b]:.1f}",
+                     f"{t_seq / t:.2f}×", f"{t / stats.num_forwards * 1e3:.1f}"])
+
+    # 屋顶线：decode 每次前向读一遍权重（读 1 次服务 B 行），每行每 token 约 2 × 参数量 次浮点运算
+    weights = sum(p.numel() for p in s.model.parameters()) - s.model.embed_tokens.weight.numel()  # embedding 只按行取
+    weight_bytes = weights * s.dtype.itemsize
+    bw, flops = memory_bandwidth(s.device), matmul_flops(s.device)
+    print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
+    print(f"吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；每项只跑一次）：")
+    print(table(["方式", "批数", "前向次数", "总时间 (s)", "tokens/s", "对 step03 逐个", "平均每次前向 (ms)"], rows))
+    print(f"屋顶线：每次 decode 前向读权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
+          f"批大小 B 时 ≤ B × {bw / weight_bytes:.0f} tokens/s（内存上限）；"
+          f"实测矩阵乘 {flops / 1e9:.0f} GFLOP/s、每 token 约 {2 * weights / 1e9:.2f} GFLOP → ≤ {flops / (2 * weights):.0f} tokens/s"
+          f"（计算上限，与 B 无关）。两条线在 B ≈ {flops / (2 * weights) / (bw / weight_bytes):.1f} 处相交。")
+    B = args.max_batch_size
+    return {"throughput_ratio_vs_sequential": round(tok_s[B] * t_seq / tokens, 3),
+            "sequential_tok_per_s": round(tokens / t_seq, 2),
+            "batched_tok_per_s": round(tok_s[B], 2),
+            "memory_bandwidth_gb_s": round(bw / 1e9, 2),
+            "matmul_gflop_s": round(flops / 1e9, 1)}
+
+
+def chapter(args, s: cli.Session) -> bool:
+    checks, notes = {}, []
+    figures = check_workload(args, s, checks, notes)
+    figures |= benchmark(args, s)
+    cli.print_checks(checks, notes)
+    if args.json:
+        cli.emit_json(cli.chapter_json(STEP, s, checks, figures))
+    return all(checks.values())
+
+
+def main(args) -> bool:
+    if args.max_batch_size < 1:                 # 先检查参数，再花时间加载模型
+        raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    params = params_from_args(args)
+    s = cli.load_session(args)
+    if args.prompt is None:
+        return chapter(args, s)
+    # 先编码、检查全部提示词，任何一个有错都在开始生成前报告
+    prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
+    # 每个请求各自从 params.seed 开始（同 step03 单独生成）：输出不受同批里有哪些别的请求影响
+    requests = [Request(ids, args.max_new_tokens, params, args.ignore_eos) for ids in prompt_ids]
+    outputs, stats = generate_batch(s.model, requests, args.max_batch_size, s.tok.eos_ids)
+    cli.print_generations(s, args.prompt, outputs)
+    print(f"\n{stats.num_batches} 批；prefill 填充浪费 {stats.prefill_padding_waste:.1%}，"
+          f"decode 空转浪费 {stats.decode_idle_waste:.1%}，KV 预留浪费 {stats.kv_reserved_waste:.1%}")
+    if args.json:
+        cli.emit_json(cli.generation_json(s, args.prompt, prompt_ids, outputs))
+    return True
+
+
+def make_parser():
+    p = cli.make_parser(__doc__.splitlines()[0])
+    add_sampling_args(p)
+    p.add_argument("--max-batch-size", type=int, default=8, help="每批最多几个请求（默认 8）")
+    return p
+
+
+if __name__ == "__main__":
+    cli.run_main(make_parser(), main)
