@@ -49,6 +49,7 @@ class EngineStats:
     generated_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)   # 每个请求的首 token 时间（所有请求都在 t=0 到达）
     tpot_s: list[float] = field(default_factory=list)   # 生成 ≥ 2 个 token 的请求：(结束 − 首 token) ÷ (输出数 − 1)
+    preempted: list[int] = field(default_factory=list)  # 每个请求被抢占了几次（按请求顺序）
 
     @property
     def kv_waste(self) -> float:
@@ -121,6 +122,7 @@ class PagedEngine:
         stats.ttft_s = [s.first_token_time for s in seqs]
         stats.tpot_s = [(s.finish_time - s.first_token_time) / (len(s.output_ids) - 1)
                         for s in seqs if len(s.output_ids) > 1]
+        stats.preempted = [s.num_preemptions for s in seqs]
         if any(s.status is not Status.FINISHED for s in seqs):
             raise RuntimeError("scheduler stopped with unfinished requests")
         return PagedOutput([s.output_ids for s in seqs], stats)
