@@ -28,8 +28,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
         out.append(tok)
         if tok in eos_ids and not ignore_eos:
             break
-        # >>> step02 新增：停止字符串。只在新生成的文本里找；每步解码全部新 token 是 O(n) 的，
-        # 比起每步 O(n) 的整段前向可以忽略（也能避免只看最后一个 token 时漏掉跨 token 的停止串）
+        # >>> step02 新增：停止字符串。每步把全部新 token 重新解码再找（比整段前向便宜得多，也不会漏掉
+        # 跨 token 的停止串）；只找新生成的文本，提示词里出现的不算
         if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
             break
         # <<<

@@ -24,8 +24,8 @@ from step02_sampling.sampler import (SamplingParams, add_sampling_args, apply_re
                                      make_generator, params_from_args, process_logits, sample)
 
 STEP = "step02_sampling"
-CHECK_NEW_TOKENS = 32    # (a) 与 step01 比较的长度（同 step01 的检查）
-SEED_NEW_TOKENS = 24     # (b) 种子检查的长度
+CHECK_NEW_TOKENS = 24    # (a) 与 step01 比较的长度
+SEED_NEW_TOKENS = 16     # (b) 种子检查的长度
 DRAWS = 4000             # (c) 每种策略在固定分布上抽样的次数
 # (c) 要检查的策略：都作用在真实模型对同一个前缀的下一 token 分布上
 DIST_CASES = [

