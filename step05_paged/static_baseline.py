@@ -30,17 +30,18 @@ class ForwardClock:
 def static_timings(outputs: list[list[int]], max_batch_size: int, times: list[float]):
     """step04 的每批前向次数 = 这批最长的输出（prefill 出第 1 个 token，之后每次 decode 出 1 个）。
     返回 (ttft, tpot)：每个请求的首 token 时间；生成 ≥ 2 个 token 的请求的平均每 token 时间。"""
+    batches = [outputs[i:i + max_batch_size] for i in range(0, len(outputs), max_batch_size)]
+    expected = sum(max(len(out) for out in batch) for batch in batches)
+    if expected != len(times):
+        raise RuntimeError(f"expected {expected} forwards from the output lengths, the clock saw {len(times)}")
     ttft, tpot, base = [], [], 0
-    for i in range(0, len(outputs), max_batch_size):
-        batch = outputs[i:i + max_batch_size]
+    for batch in batches:
         for out in batch:
             first, last = times[base], times[base + len(out) - 1]
             ttft.append(first)
             if len(out) > 1:
                 tpot.append((last - first) / (len(out) - 1))
         base += max(len(out) for out in batch)
-    if base != len(times):
-        raise RuntimeError(f"expected {base} forwards from the output lengths, clock saw {len(times)}")
     return ttft, tpot
 
 

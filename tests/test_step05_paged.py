@@ -20,6 +20,7 @@ from step05_paged.engine import PagedEngine
 from step05_paged.paged_cache import PagedKVCache
 from step05_paged.scheduler import Scheduler
 from step05_paged.sequence import Sequence, Status
+from step05_paged.static_baseline import static_kv_waste, static_peak_concurrency, static_timings
 
 TOL = MARGIN_TOL[torch.float32]
 
@@ -244,6 +245,21 @@ def test_soak_200_random_requests(tiny):
     assert stats.preemptions > 0 and stats.peak_running > 1
     assert_equal_to_step03(tiny.model, requests, outputs, [1])
     assert engine.allocator.num_free == 24 and not any(engine.allocator.ref_counts)
+
+
+# ---------- step04 对照组的账本（手算的例子） ----------
+
+def test_static_baseline_accounting_by_hand():
+    # 一批两行：提示词 2、4（P = 4），max_new 3、2 → 预留 2 × (4 + 3 - 1) = 12 槽；输出 3 个、1 个 → 3 次前向。
+    # 第 j 次前向后存着真实 token：j=1: 2 + 4；j=2: 3 + 4；j=3: 4 + 4（第二行早已结束）→ 21 / 36
+    prompts, max_new, outputs = [[1, 2], [1, 2, 3, 4]], [3, 2], [[7, 7, 7], [7]]
+    assert static_kv_waste(prompts, max_new, outputs, 2) == pytest.approx(1 - 21 / 36)
+    ttft, tpot = static_timings(outputs, 2, times=[1.0, 2.0, 3.0])
+    assert ttft == [1.0, 1.0] and tpot == [1.0]
+    with pytest.raises(RuntimeError):                  # 前向次数与输出长度对不上：计时包装没包住全部前向
+        static_timings(outputs, 2, times=[1.0, 2.0])
+    # 预算 40 槽：前两个 (10 + 6 - 1) × 2 = 30 放得下；加第三个要 (30 + 6 - 1) × 3 = 105，只好另开一批
+    assert static_peak_concurrency([[1] * 10, [1] * 10, [1] * 30], [6, 6, 6], budget_slots=40) == 2
 
 
 # ---------- 命令行（真实模型） ----------
