@@ -35,7 +35,9 @@ def positions(pad_lens: torch.Tensor, start: int, L: int) -> torch.Tensor:
 def attention_mask(pad_lens: torch.Tensor, start: int, L: int) -> torch.Tensor:
     """本次前向的 L 个 query（第 start .. start+L-1 列）能看哪些 key（第 0 .. S-1 列，S = start + L）。
     第 c 列的 query 能看第 j 列的 key ⇔ j ≥ pad（不是填充） 且 j ≤ c（因果）。返回 (B, 1, 1, L, S)，True = 可以看。
-    prefill：start = 0, L = P；decode：start = 已缓存的列数, L = 1（因果条件恒成立，只剩"不是填充"）。"""
+    prefill：start = 0, L = P；decode：start = 已缓存的列数, L = 1（因果条件恒成立，只剩"不是填充"）。
+    填充列上的 query 一个 key 也看不到：模型把整行分数设成 dtype 的最小值，softmax 得到均匀分布而不是 NaN；
+    这些位置的输出只写进填充列的 K/V，而填充列对所有真实 query 都被遮住，所以没有人用到它们。"""
     S = start + L
     device = pad_lens.device
     q_cols = torch.arange(start, S, device=device)[:, None]                   # (L, 1)

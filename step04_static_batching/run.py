@@ -16,10 +16,12 @@ from common import cli  # noqa: E402
 from common.bench import machine, median_time, memory_bandwidth, table  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.model import Linear  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.sampler import SamplingParams, add_sampling_args, params_from_args  # noqa: E402
+from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import generate as generate_step03  # noqa: E402
-from step04_static_batching.engine import generate_batch  # noqa: E402
+from step04_static_batching.engine import forward, generate_batch  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 
 STEP = "step04_static_batching"
@@ -73,6 +75,7 @@ def check_workload(args, s: cli.Session, checks: dict, notes: list) -> dict:
     seeded = [Request(ids, n, SamplingParams(**SEEDED, seed=SEED_BASE + i)) for i, (_, ids, n) in enumerate(workload)]
     B = args.max_batch_size
 
+    run_step03(s, [Request(greedy[0].prompt_ids, 2)])       # 预热：别让第一次前向的一次性开销算进 step03 的计时
     # (a) 贪心：每个请求在批里的输出 = step03 单独生成的输出
     refs, t_seq = timed(lambda: run_step03(s, greedy))
     (outputs, stats), t_batch = timed(lambda: generate_batch(s.model, greedy, B, s.tok.eos_ids))
@@ -123,50 +126,71 @@ def matmul_flops(device, n: int = 1024) -> float:
     return 2 * n**3 / median_time(lambda: a @ a, repeats=5, warmup=2, device=device)
 
 
-def benchmark(args, s: cli.Session) -> dict:
-    """吞吐随批大小的变化。负载：不同内容、同样长度的提示词（LONG_PROMPT 里互不重叠的 32 个 token），
-    --ignore-eos 都生成同样多的 token —— 没有填充也没有空转，只看"一次读权重服务 B 行"本身带来多少。"""
+@torch.inference_mode()
+def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
+    """一次 decode 前向（B 行各 1 个 token，上下文 32）的耗时随 B 的变化，以及其中线性层矩阵乘占多少；
+    与屋顶线比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
+    context, repeats = 32, 5 if args.quick else 10
+    weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head；embedding 只按行取，不算
+    weight_bytes = sum(w.numel() for w in weights) * s.dtype.itemsize
+    flop_per_token = 2 * sum(w.numel() for w in weights)                       # 每个权重一次乘加
+    bw, flops = memory_bandwidth(s.device), matmul_flops(s.device)
+    rows, step_ms = [], {}
+    for B in sizes:
+        cache = PreallocKVCache(s.cfg, context + repeats + 2, s.device, s.dtype, batch_size=B)
+        pad = torch.zeros(B, dtype=torch.long, device=s.device)                # 等长：不需要填充
+        forward(s.model, cache, torch.zeros(B, context, dtype=torch.long, device=s.device), pad)   # prefill
+        x = torch.zeros(B, 1, dtype=torch.long, device=s.device)               # (B, 1)
+        t = median_time(lambda: forward(s.model, cache, x, pad), repeats=repeats, warmup=1, device=s.device)
+        xs = {n: torch.randn(B, n, device=s.device, dtype=s.dtype) for n in {w.shape[0] for w in weights}}
+        t_lin = median_time(lambda: [xs[w.shape[0]] @ w for w in weights], repeats=repeats, warmup=1,
+                            device=s.device)                                   # (B, in) x (in, out)，与模型里的一样
+        roof = min(B * bw / weight_bytes, flops / flop_per_token)
+        step_ms[B] = t * 1e3
+        rows.append([B, f"{t * 1e3:.1f}", f"{t_lin * 1e3:.1f}", f"{t / (step_ms[sizes[0]] / 1e3):.2f}×",
+                     f"{B / t:.1f}", f"{roof:.0f}", f"{B / t / roof:.0%}"])
+    print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
+    print(f"一次 decode 前向 vs 批大小（上下文 {context}，取 {repeats} 次的中位数）：")
+    print(table(["B", "前向 (ms)", "其中线性层矩阵乘 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "屋顶线上限", "达到"],
+                rows))
+    print(f"屋顶线：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
+          f"内存上限 B × {bw / weight_bytes:.1f} tokens/s；实测矩阵乘 {flops / 1e9:.0f} GFLOP/s，"
+          f"每 token {flop_per_token / 1e9:.2f} GFLOP → 计算上限 {flops / flop_per_token:.0f} tokens/s（与 B 无关）。")
+    return {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 1),
+            **{f"decode_step_ms_b{B}": round(ms, 2) for B, ms in step_ms.items()}}
+
+
+def throughput(args, s: cli.Session, sizes: list[int]) -> dict:
+    """端到端吞吐：同一批请求，step03 一个一个地跑 vs step04 不同批大小。负载：不同内容、同样长度的提示词
+    （LONG_PROMPT 里互不重叠的 32 个 token），--ignore-eos 都生成同样多的 token —— 没有填充也没有空转，
+    只看"一次读权重服务 B 行"本身带来多少（有填充和空转的混合负载见上面的检查部分）。"""
     num_requests, new_tokens, plen = (8, 16, 32) if args.quick else (16, 64, 32)
-    sizes = sorted({1, 4, 8, args.max_batch_size} if args.quick else {1, 2, 4, 8, 16, args.max_batch_size})
     long_ids = s.tok.encode(LONG_PROMPT)
     requests = [Request(long_ids[i * plen:(i + 1) * plen], new_tokens, SamplingParams(), ignore_eos=True)
                 for i in range(num_requests)]
     tokens = num_requests * new_tokens
-
-    generate_batch(s.model, requests[:2], 2, s.tok.eos_ids)                  # 预热
     _, t_seq = timed(lambda: run_step03(s, requests))
-    rows = [["step03 逐个", "-", num_requests * new_tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×",
-             f"{t_seq / (num_requests * new_tokens) * 1e3:.1f}"]]
+    rows = [["step03 逐个", "-", tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×"]]
     tok_s = {}
     for b in sizes:
         (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
         tok_s[b] = tokens / t
         rows.append([f"step04 批大小 {b}", stats.num_batches, stats.num_forwards, f"{t:.2f}", f"{tok_s[b]:.1f}",
-                     f"{t_seq / t:.2f}×", f"{t / stats.num_forwards * 1e3:.1f}"])
-
-    # 屋顶线：decode 每次前向读一遍权重（读 1 次服务 B 行），每行每 token 约 2 × 参数量 次浮点运算
-    weights = sum(p.numel() for p in s.model.parameters()) - s.model.embed_tokens.weight.numel()  # embedding 只按行取
-    weight_bytes = weights * s.dtype.itemsize
-    bw, flops = memory_bandwidth(s.device), matmul_flops(s.device)
-    print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
-    print(f"吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；每项只跑一次）：")
-    print(table(["方式", "批数", "前向次数", "总时间 (s)", "tokens/s", "对 step03 逐个", "平均每次前向 (ms)"], rows))
-    print(f"屋顶线：每次 decode 前向读权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
-          f"批大小 B 时 ≤ B × {bw / weight_bytes:.0f} tokens/s（内存上限）；"
-          f"实测矩阵乘 {flops / 1e9:.0f} GFLOP/s、每 token 约 {2 * weights / 1e9:.2f} GFLOP → ≤ {flops / (2 * weights):.0f} tokens/s"
-          f"（计算上限，与 B 无关）。两条线在 B ≈ {flops / (2 * weights) / (bw / weight_bytes):.1f} 处相交。")
+                     f"{t_seq / t:.2f}×"])
+    print(f"\n吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；每项只跑一次）：")
+    print(table(["方式", "批数", "前向次数", "总时间 (s)", "tokens/s", "对 step03 逐个"], rows))
     B = args.max_batch_size
     return {"throughput_ratio_vs_sequential": round(tok_s[B] * t_seq / tokens, 3),
             "sequential_tok_per_s": round(tokens / t_seq, 2),
-            "batched_tok_per_s": round(tok_s[B], 2),
-            "memory_bandwidth_gb_s": round(bw / 1e9, 2),
-            "matmul_gflop_s": round(flops / 1e9, 1)}
+            "batched_tok_per_s": round(tok_s[B], 2)}
 
 
 def chapter(args, s: cli.Session) -> bool:
     checks, notes = {}, []
     figures = check_workload(args, s, checks, notes)
-    figures |= benchmark(args, s)
+    sizes = sorted({1, 4, 8, args.max_batch_size} if args.quick else {1, 2, 4, 8, 16, args.max_batch_size})
+    figures |= decode_step_profile(args, s, sizes)
+    figures |= throughput(args, s, sizes)
     cli.print_checks(checks, notes)
     if args.json:
         cli.emit_json(cli.chapter_json(STEP, s, checks, figures))

@@ -98,13 +98,10 @@ def chapter(args, s: cli.Session) -> bool:
                      st.peak_running, f"{sum(c.equal for c in results)}/{len(results)}"])
         return results, st, pool_is_empty(engine)
 
-    # 2) 正确性：默认池子（全部贪心，同时是 step05 的计时）；小池子（批大小不设限，逼出抢占；贪心与采样混跑）
-    stage(f"[2/4] step05：默认池子 {default_blocks} 块，批上限 {B} ...")
-    res, st_paged, free_a = run_and_check("default_pool", PagedEngine(s.model, default_blocks, bs, B), requests, ref)
-    checks["greedy_default_pool_equals_step03"] = all(c.ok for c in res)
-    stage(f"[3/4] step05：小池子 {small_blocks} 块，批大小不设限 ...")
+    # 2) 正确性：小池子（批大小不设限，逼出抢占；贪心与带种子的采样混跑）
+    stage(f"[2/4] step05：小池子 {small_blocks} 块，批大小不设限 ...")
     small = PagedEngine(s.model, small_blocks, bs, max_batch_size=len(preempt_reqs))
-    res, st_small, free_b = run_and_check("small_pool", small, preempt_reqs, ref_preempt)
+    res, st_small, free_small = run_and_check("small_pool", small, preempt_reqs, ref_preempt)
     seeded_rows = [r.params.seed is not None for r in preempt_reqs]
     checks["greedy_small_pool_equals_step03"] = all(c.ok for c, sd in zip(res, seeded_rows) if not sd)
     checks["seeded_small_pool_equals_step03"] = all(c.ok for c, sd in zip(res, seeded_rows) if sd)
@@ -112,11 +109,17 @@ def chapter(args, s: cli.Session) -> bool:
     hit = [sd for n, sd in zip(st_small.preempted, seeded_rows) if n]   # 被抢占过的请求是不是带种子的
     notes.append(f"小池子共抢占 {st_small.preemptions} 次，被抢占过的请求：贪心 {hit.count(False)} 个、"
                  f"带种子采样 {hit.count(True)} 个")
-    checks["all_blocks_free_after_each_run"] = free_a and free_b
+
+    # 3) 默认池子、全部贪心：既是正确性检查，也是 step05 的计时；紧接着跑 step04，两次计时挨在一起
+    stage(f"[3/4] step05：默认池子 {default_blocks} 块，批上限 {B} ...")
+    res, st_paged, free_default = run_and_check("default_pool", PagedEngine(s.model, default_blocks, bs, B),
+                                                requests, ref)
+    checks["greedy_default_pool_equals_step03"] = all(c.ok for c in res)
+    checks["all_blocks_free_after_each_run"] = free_small and free_default
     checks["workload_has_eos_endings"] = any(o[-1] in eos for o in ref)
     print(table(["运行", "块数", "批上限", "前向次数", "抢占次数", "峰值并发", "与 step03 完全相同"], runs))
 
-    # 3) 基准：同一负载、同样的批上限，step04 静态批处理 vs step05（上面默认池子那次运行的计时）
+    # 4) 基准：同一负载、同样的批上限，step04 静态批处理 vs step05（上面默认池子那次运行的计时）
     stage(f"[4/4] step04 静态批处理，批上限 {B} ...")
     clock = ForwardClock(s.model)
     clock.start()
@@ -138,7 +141,7 @@ def chapter(args, s: cli.Session) -> bool:
     print(table(["引擎", "总时间 (s)", "吞吐 (token/s)", "TTFT p50 (s)", "TTFT p90 (s)", "TPOT p50 (ms)",
                  "TPOT p90 (ms)", "KV 浪费", "峰值并发"], rows))
 
-    # 4) 同样的 KV 预算（小池子的槽数）下最多几个请求同时在跑：step04 式连续预留 vs 分页
+    # 5) 同样的 KV 预算（小池子的槽数）下最多几个请求同时在跑：step04 式连续预留 vs 分页
     budget = small_blocks * bs
     peak4 = static_peak_concurrency(prompts, max_new, budget)
     print(f"\n同样 {budget} 个 KV 槽（{budget * s.cfg.kv_bytes_per_token(s.dtype.itemsize) / 2**20:.1f} MiB）下的峰值并发：")
