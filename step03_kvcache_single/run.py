@@ -215,7 +215,7 @@ def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
     return figures, {"prompt_len": P, "latencies": latencies}
 
 
-def long_context(args, s: cli.Session) -> dict:
+def long_context(args, s: cli.Session, bandwidth: float) -> dict:
     """长提示词上一直 decode 下去：缓存越长，每步要读的 K/V 越多（预分配）、要复制的越多（cat）。"""
     n = 128 if args.quick else 1024
     ids = s.encode(LONG_PROMPT, False, n)
@@ -229,13 +229,16 @@ def long_context(args, s: cli.Session) -> dict:
     print(f"\n长上下文（提示词 {len(ids)} tokens，decode {n - 1} 步，新 token 的位置 {len(ids) + 1} → "
           f"{len(ids) + n - 1}）每 token 延迟:")
     print(table(["缓存", "TTFT = prefill (ms)", "开头 16 步平均 (ms)", "最后 16 步平均 (ms)"], rows))
-    # prefill 与 decode 用硬件的方式完全不同：一个看每秒算多少，一个看每秒读多少
+    # prefill 与 decode 用硬件的方式完全不同：同样读一遍权重，一个做几百个 token 的计算，一个只做 1 个
     ttft, tpot = lat["prealloc"][0], sum(lat["prealloc"][1:17]) / 16
-    print(f"prefill {len(ids)} tokens 约 {prefill_flops(s.model, len(ids)) / 1e9:.0f} GFLOP，用了 {ttft * 1e3:.0f} ms → "
-          f"{prefill_flops(s.model, len(ids)) / ttft / 1e9:.0f} GFLOP/s（计算瓶颈）；decode 一步读 "
-          f"{weight_bytes_per_step(s.model) / 1e6:.0f} MB 权重、只做约 {prefill_flops(s.model, 1) / 1e9:.2f} GFLOP，"
-          f"用了 {tpot * 1e3:.1f} ms → {prefill_flops(s.model, 1) / tpot / 1e9:.0f} GFLOP/s（内存瓶颈）")
-    return {"prompt_len": len(ids), "latencies": lat, "prefill_gflop_s": prefill_flops(s.model, len(ids)) / ttft / 1e9}
+    flops, weights = prefill_flops(s.model, len(ids)), weight_bytes_per_step(s.model)
+    print(f"prefill：{len(ids)} tokens 约 {flops / 1e9:.0f} GFLOP，{ttft * 1e3:.0f} ms → {flops / ttft / 1e9:.1f} GFLOP/s，"
+          f"每读 1 字节权重做 {flops / weights:.0f} 次运算")
+    print(f"decode ：1 token 约 {prefill_flops(s.model, 1) / 1e9:.2f} GFLOP，{tpot * 1e3:.1f} ms → "
+          f"{prefill_flops(s.model, 1) / tpot / 1e9:.1f} GFLOP/s，每读 1 字节权重做 "
+          f"{prefill_flops(s.model, 1) / weights:.1f} 次运算；读权重 {weights / tpot / 1e9:.1f} GB/s"
+          f"（实测内存读带宽 {bandwidth / 1e9:.1f} GB/s）")
+    return {"prompt_len": len(ids), "latencies": lat, "prefill_gflop_s": flops / ttft / 1e9}
 
 
 def prefill_flops(model, T: int) -> float:
@@ -309,7 +312,7 @@ def chapter(args, s: cli.Session) -> bool:
     bench_figures, bench = benchmark(args, s, hf, figures["kv_bytes_per_token"])
     figures |= bench_figures
     del hf
-    long = long_context(args, s)
+    long = long_context(args, s, figures["bandwidth_gb_s"] * 1e9)
     figures["prefill_gflop_s"] = round(long["prefill_gflop_s"], 1)
     figures |= profile_decode(args, s)
     if args.plot:
