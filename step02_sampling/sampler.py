@@ -142,6 +142,28 @@ def sample(logits: torch.Tensor, history: list[int], params: SamplingParams, gen
     return draw(probs, generator)
 
 
+def draw_margin(params: SamplingParams):
+    """给 common.compare 用的"离打平多远"（带种子的采样）：返回 f(logits, history, pos, token)；贪心返回 None。
+    重放这个请求的发生器到第 pos 次抽样（非贪心时每个 token 正好抽一次随机数），得到当时的 u；
+    token 在累计分布上占区间 [cdf[token-1], cdf[token])，返回 u 到较近那条边界的距离（概率单位）。
+    距离很小时，logits 末位的差别就足以把 u 划进相邻 token 的区间。"""
+    if params.greedy:
+        return None               # 贪心：compare 用默认的 top-2 logit 差
+    if params.seed is None:
+        raise ValueError("draw_margin needs a seed: without one the draws cannot be replayed")
+
+    def margin(logits: torch.Tensor, history: list[int], pos: int, token: int) -> float:
+        cdf = process_logits(logits, history, params).softmax(-1).cumsum(-1)   # (V,)
+        g = make_generator(params.seed, logits.device)
+        for _ in range(pos + 1):                                                 # 第 0..pos 次抽样
+            r = torch.rand((), generator=g, device=logits.device)
+        u = float(r * cdf[-1])                                                   # 与 draw() 相同
+        lo = float(cdf[token - 1]) if token > 0 else 0.0
+        return min(abs(u - lo), abs(float(cdf[token]) - u))
+
+    return margin
+
+
 def add_sampling_args(parser) -> None:
     """step02 起每个 run.py 都有的采样参数；默认值 = 贪心。取值检查在 params_from_args 里（给出 `error:`）。"""
     g = parser.add_argument_group("采样（默认贪心）")

@@ -4,6 +4,7 @@
     python step04_static_batching/run.py --prompt "A" --prompt "B" --max-new-tokens 16 \\
         [--max-batch-size 8] [--temperature 0.8 --seed 1 ...]                            # 生成模式：所有提示词一起跑
 """
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.model import Linear  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
-from step02_sampling.sampler import SamplingParams, add_sampling_args, params_from_args  # noqa: E402
+from step02_sampling.sampler import SamplingParams, add_sampling_args, draw_margin, params_from_args  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import generate as generate_step03  # noqa: E402
 from step04_static_batching.engine import forward, generate_batch  # noqa: E402
@@ -62,7 +63,7 @@ def run_step03(s: cli.Session, requests: list[Request]) -> list[list[int]]:
 def compare_all(s: cli.Session, label: str, names, requests, refs, outputs, checks: dict, notes: list) -> None:
     tol = MARGIN_TOL[s.dtype]
     for name, r, ref, got in zip(names, requests, refs, outputs):
-        c = compare(f"{label}/{name}", r.prompt_ids, ref, got, s.full_logits, tol)
+        c = compare(f"{label}/{name}", r.prompt_ids, ref, got, s.full_logits, tol, draw_margin(r.params))
         checks[f"{label}_{name}"] = c.ok
         notes.append(c.describe())
 
@@ -171,15 +172,25 @@ def throughput(args, s: cli.Session, sizes: list[int]) -> dict:
     requests = [Request(long_ids[i * plen:(i + 1) * plen], new_tokens, SamplingParams(), ignore_eos=True)
                 for i in range(num_requests)]
     tokens = num_requests * new_tokens
-    _, t_seq = timed(lambda: run_step03(s, requests))
+    # 每一轮把 step03 逐个与各个批大小挨着跑一遍，跑 repeats 轮，各取中位数（模型已被前面的检查预热）
+    repeats = 1 if args.quick else 3
+    times: dict = {"seq": [], **{b: [] for b in sizes}}
+    counts = {}
+    for _ in range(repeats):
+        times["seq"].append(timed(lambda: run_step03(s, requests))[1])
+        for b in sizes:
+            (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
+            times[b].append(t)
+            counts[b] = (stats.num_batches, stats.num_forwards)
+    t_seq = statistics.median(times["seq"])
     rows = [["step03 逐个", "-", tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×"]]
     tok_s = {}
     for b in sizes:
-        (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
+        t = statistics.median(times[b])
         tok_s[b] = tokens / t
-        rows.append([f"step04 批大小 {b}", stats.num_batches, stats.num_forwards, f"{t:.2f}", f"{tok_s[b]:.1f}",
-                     f"{t_seq / t:.2f}×"])
-    print(f"\n吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；每项只跑一次）：")
+        rows.append([f"step04 批大小 {b}", *counts[b], f"{t:.2f}", f"{tok_s[b]:.1f}", f"{t_seq / t:.2f}×"])
+    print(f"\n吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；"
+          f"{'每项只跑一次' if repeats == 1 else f'{repeats} 轮交替运行、各取中位数'}）：")
     print(table(["方式", "批数", "前向次数", "总时间 (s)", "tokens/s", "对 step03 逐个"], rows))
     B = args.max_batch_size
     return {"throughput_ratio_vs_sequential": round(tok_s[B] * t_seq / tokens, 3),

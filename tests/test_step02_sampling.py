@@ -9,6 +9,7 @@ from conftest import ROOT, run_py
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from common import cli
+from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
 from common.hf_reference import load_hf_model
 from common.prompts import CHAPTER_PROMPTS
@@ -19,7 +20,7 @@ from step02_sampling.distribution import (binned, empirical_probs, hf_filtered_p
                                           tv_distance)
 from step02_sampling.engine import generate
 from step02_sampling.sampler import (TOP_P_FIRST_K, SamplingParams, apply_min_p, apply_repetition_penalty,
-                                     apply_temperature, apply_top_k, apply_top_p, draw, make_generator,
+                                     apply_temperature, apply_top_k, apply_top_p, draw, draw_margin, make_generator,
                                      process_logits, sample)
 
 NEG_INF = float("-inf")
@@ -363,3 +364,41 @@ def test_bad_values_subprocess(bad):
     assert r.returncode == 2
     assert r.stderr.startswith("error:") and "Traceback" not in r.stderr
     assert re.search(r"top_p|temperature", r.stderr)
+
+
+# ---------------------------------------------------------------- 带种子采样的"近乎打平"（common.compare 用）
+
+def test_draw_margin_is_distance_of_replayed_draw_to_interval_edge():
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    g = make_generator(params.seed, "cpu")
+    tokens = [sample(logits, [], params, g) for _ in range(5)]      # 同一分布连抽 5 次
+    assert draw_margin(SamplingParams()) is None                    # 贪心：用默认的 top-2 logit 差
+    margin = draw_margin(params)
+    cdf = logits.softmax(-1).cumsum(-1)
+    g = make_generator(params.seed, "cpu")
+    for pos, tok in enumerate(tokens):
+        u = float(torch.rand((), generator=g) * cdf[-1])
+        lo, hi = (float(cdf[tok - 1]) if tok else 0.0), float(cdf[tok])
+        assert lo <= u < hi                                          # 重放出的 u 正好落在抽到的 token 的区间里
+        assert margin(logits, [], pos, tok) == pytest.approx(min(u - lo, hi - u))
+
+
+def _two_token_logits_with_edge_at(edge: float) -> torch.Tensor:
+    """两个 token 的分布，累计分布的边界在 edge：token 0 的概率 = edge。"""
+    return torch.tensor([edge, 1 - edge]).log()
+
+
+@pytest.mark.parametrize("offset, accepted", [(1e-7, True), (-1e-7, True), (0.05, False), (-0.05, False)])
+def test_compare_accepts_sampled_divergence_only_at_an_interval_edge(offset, accepted):
+    """参考在位置 2 抽到的随机数 u 离区间边界 |offset|：只有贴着边界（< 1e-3）时，抽到另一个 token 才被接受。"""
+    params = SamplingParams(temperature=1.0, seed=3)
+    g = make_generator(params.seed, "cpu")
+    u = [float(torch.rand((), generator=g)) for _ in range(3)][2]
+    logits = _two_token_logits_with_edge_at(u + offset)             # offset > 0：u 在 token 0 的区间里
+    ref_tok = 0 if offset > 0 else 1
+    ref, got = [5, 6, ref_tok, 7], [5, 6, 1 - ref_tok, 8]
+    c = compare("edge", [1, 2], ref, got, lambda ids: logits.expand(len(ids), 2), MARGIN_TOL[torch.float32],
+                draw_margin(params))
+    assert c.position == 2 and c.ok == accepted and "draw margin" in c.describe()
+    assert c.margin == pytest.approx(abs(offset), abs=1e-6)
