@@ -45,8 +45,8 @@ def compare(name: str, prompt_ids: list[int], ref: list[int], got: list[int],
             logits_fn: Callable[[list[int]], torch.Tensor], tol: float,
             near_tie: Optional[Callable[[torch.Tensor, list[int], int, int], float]] = None) -> Comparison:
     """logits_fn(ids) -> (len(ids), V)：对 prompt+参考输出做一次 teacher-forcing 前向（整段重算）。
-    near_tie(logits, history, pos, token) -> float：参考在输出位置 pos 抽到 token，离打平多远；默认是贪心用的 top-2 logit 差，
-    带种子的采样传 step02 的 draw_margin(params)（贪心时它返回 None，即默认）。"""
+    near_tie(logits, history, pos, token) -> float：参考在输出位置 pos 得到 token 时离打平多远；
+    默认（None）是贪心用的 top-2 logit 差，带种子的采样传 step02 的 draw_margin(params)（贪心时它返回 None）。"""
     measure = "top-2 margin" if near_tie is None else "draw margin"
     if ref == got:
         return Comparison(name, True, True)

@@ -174,19 +174,18 @@ def throughput(args, s: cli.Session, sizes: list[int]) -> dict:
     tokens = num_requests * new_tokens
     # 每一轮把 step03 逐个与各个批大小挨着跑一遍，跑 repeats 轮，各取中位数（模型已被前面的检查预热）
     repeats = 1 if args.quick else 3
-    times: dict = {"seq": [], **{b: [] for b in sizes}}
-    counts = {}
+    seq_times, batch_times, counts = [], {b: [] for b in sizes}, {}
     for _ in range(repeats):
-        times["seq"].append(timed(lambda: run_step03(s, requests))[1])
+        seq_times.append(timed(lambda: run_step03(s, requests))[1])
         for b in sizes:
             (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
-            times[b].append(t)
+            batch_times[b].append(t)
             counts[b] = (stats.num_batches, stats.num_forwards)
-    t_seq = statistics.median(times["seq"])
+    t_seq = statistics.median(seq_times)
     rows = [["step03 逐个", "-", tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×"]]
     tok_s = {}
     for b in sizes:
-        t = statistics.median(times[b])
+        t = statistics.median(batch_times[b])
         tok_s[b] = tokens / t
         rows.append([f"step04 批大小 {b}", *counts[b], f"{t:.2f}", f"{tok_s[b]:.1f}", f"{t_seq / t:.2f}×"])
     print(f"\n吞吐（{num_requests} 个请求，提示词各 {plen} tokens，各生成 {new_tokens} tokens，--ignore-eos；"
