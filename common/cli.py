@@ -21,7 +21,8 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive_int(s):
+def positive_int(s):
+    """argparse 的 type：正整数，否则一行 `error: ...`（--max-new-tokens、--max-batch-size、--block-size 等共用）。"""
     try:
         v = int(s)
     except ValueError:
@@ -39,7 +40,7 @@ def make_parser(description: str) -> Parser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     p.add_argument("--prompt", action="append", default=None, help="生成模式：可重复给多个")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--ignore-eos", action="store_true", help="EOS 当普通 token，正好生成 N 个")
     p.add_argument("--chat", action="store_true", help="用分词器的对话模板包装提示词")
     return p

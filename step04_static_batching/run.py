@@ -16,7 +16,6 @@ import torch  # noqa: E402
 from common import cli  # noqa: E402
 from common.bench import machine, median_time, memory_bandwidth, table  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
-from common.errors import UserError  # noqa: E402
 from common.model import Linear  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.sampler import SamplingParams, add_sampling_args, draw_margin, params_from_args  # noqa: E402
@@ -210,8 +209,6 @@ def chapter(args, s: cli.Session) -> bool:
 
 
 def main(args) -> bool:
-    if args.max_batch_size < 1:                 # 先检查参数，再花时间加载模型
-        raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     params = params_from_args(args)
     s = cli.load_session(args)
     if args.prompt is None:
@@ -232,7 +229,7 @@ def main(args) -> bool:
 def make_parser():
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
-    p.add_argument("--max-batch-size", type=int, default=8, help="每批最多几个请求（默认 8）")
+    p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="每批最多几个请求（默认 8）")
     return p
 
 

@@ -6,7 +6,6 @@
     python step05_paged/run.py [--quick] [--json]                                   # 章节模式：检查 + 基准
     python step05_paged/run.py --prompt A --prompt B --num-blocks 8 --max-new-tokens 64 --ignore-eos   # 生成模式
 """
-import argparse
 import math
 import sys
 import time
@@ -30,24 +29,14 @@ from step05_paged.workload import mixed_workload, preemption_workload  # noqa: E
 STEP = "step05_paged"
 
 
-def positive_int(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
-
-
 def make_parser():
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     g = p.add_argument_group("分页与调度")
-    g.add_argument("--block-size", type=positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
-    g.add_argument("--num-blocks", type=positive_int, default=None,
+    g.add_argument("--block-size", type=cli.positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
+    g.add_argument("--num-blocks", type=cli.positive_int, default=None,
                    help=f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）")
-    g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
+    g.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="运行集合最多几个请求（默认 8）")
     return p
 
 
