@@ -1,4 +1,5 @@
 """共用的测试夹具：真实默认模型（只加载一次）、离线创建的随机小模型、运行 run.py 的辅助函数。"""
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -51,6 +52,27 @@ def tiny(request, tmp_path_factory) -> Tiny:
     path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
     model = load_model(path, "cpu", torch.float32)
     return Tiny(request.param, path, model, model.cfg)
+
+
+# 与架构无关的测试（只用到配置形状的、记账的、调度的、长时间的随机负载）只跑一种架构：
+# 给测试加上 @one_arch，它拿到的 `tiny` 就只有 llama 这一个（与其他测试共用同一个实例）。
+one_arch = pytest.mark.parametrize("tiny", ["llama"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(tmp_path_factory) -> Path:
+    """随机小模型，但词表、分词器、对话模板、EOS 与默认模型相同：给要处理文本的测试（章节模式、命令行）用。
+    只读默认模型目录里的小文件，不加载它的权重。"""
+    from common.config import ModelConfig, eos_token_ids
+    from common.prepare import prepare_default_model
+    real_dir = prepare_default_model()
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok"), "llama",
+                               vocab_size=ModelConfig.from_dir(real_dir).vocab_size, max_position_embeddings=2048,
+                               eos_token_id=sorted(eos_token_ids(real_dir))[0])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_dir / name).exists():
+            shutil.copy(real_dir / name, path / name)
+    return path
 
 
 def run_py(step: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:

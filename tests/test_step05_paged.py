@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
-from conftest import run_py
+from conftest import one_arch, run_py
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import generate as generate_single
@@ -97,6 +97,7 @@ def seq_with(prompt_len: int, block_table: list[int]) -> Sequence:
     return s
 
 
+@one_arch
 def test_plan_by_hand(tiny):
     """块大小 4：A 有 3 个 token、块表 [3]；B 有 6 个、块表 [0, 2]。左填充到 L = 6。"""
     cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
@@ -117,6 +118,7 @@ def test_plan_by_hand(tiny):
     assert p.slot_mapping.tolist() == [15, 10]
 
 
+@one_arch
 def test_block_table_gather_equals_contiguous_cache(tiny):
     """同样的 K/V 分别写进分页池（块表打乱、跨块）和 step03 的 PreallocKVCache：每层读回的 K/V 完全相同。"""
     cfg, bs, H_kv, D = tiny.cfg, 4, tiny.cfg.num_kv_heads, tiny.cfg.head_dim
@@ -198,6 +200,7 @@ def assert_equal_to_step03(model, requests, outputs, eos_ids):
         assert c.ok, c.describe()
 
 
+@one_arch
 def test_tiny_pool_forces_preemption_and_stays_token_exact(tiny):
     rng = random.Random(1)
     requests = [Request([rng.randrange(2, 256) for _ in range(rng.randint(3, 20))], 24,
@@ -211,6 +214,7 @@ def test_tiny_pool_forces_preemption_and_stays_token_exact(tiny):
     assert engine.allocator.num_free == 12 and not any(engine.allocator.ref_counts)
 
 
+@one_arch
 def test_kv_waste_accounting_by_hand(tiny):
     """提示词 5、块大小 4、生成 3 个：每步分配 2 块 = 8 槽，缓存里依次有 5、6、7 个 token → 浪费 (3+2+1)/24。"""
     engine = PagedEngine(tiny.model, num_blocks=4, block_size=4)
@@ -219,6 +223,7 @@ def test_kv_waste_accounting_by_hand(tiny):
     assert (st.allocated_slot_steps, st.used_slot_steps) == (24, 18) and st.kv_waste == pytest.approx(0.25)
 
 
+@one_arch
 def test_request_that_exactly_fills_the_pool_runs(tiny):
     """提示词 6 + 生成 11 - 1 = 16 个 token = 正好 4 块 × 4：能跑完；再多一个 token 就开始前报错。"""
     engine = PagedEngine(tiny.model, num_blocks=4, block_size=4)
@@ -230,6 +235,7 @@ def test_request_that_exactly_fills_the_pool_runs(tiny):
     assert engine.allocator.num_free == 4
 
 
+@one_arch
 def test_soak_200_random_requests(tiny):
     """200 个随机请求（长度、输出数、EOS、贪心 / 带种子采样都随机），池子只比最大的请求多一点：
     全部跑完，每个输出都等于 step03 单独生成，池子最后全空。"""
