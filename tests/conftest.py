@@ -79,3 +79,18 @@ def run_py(step: str, *args: str, timeout: int = 900) -> subprocess.CompletedPro
     """像学习者一样在命令行运行某一步的 run.py。"""
     return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def cli_error(run_module, argv: list[str], capsys) -> str:
+    """在进程内运行某一步 run.py 的 main（与命令行同一条路：cli.run_main），断言它以一行 `error: ...`、
+    退出码 2 结束，返回那一行。比启动一个进程快得多；"真的是一个进程时也没有 traceback"由
+    test_prepare_and_errors 里唯一的子进程测试负责。"""
+    from common import cli
+    parser = run_module.make_parser() if hasattr(run_module, "make_parser") else cli.make_parser(run_module.STEP)
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(parser, run_module.main, argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert e.value.code == 2, (e.value.code, captured.err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err[-2000:]
+    return lines[0]

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from common import cli, prepare
-from conftest import run_py
+from common import prepare
+from conftest import cli_error, run_py
 from step01_naive import run as step01_run
 
 
@@ -88,14 +88,7 @@ def test_bad_tensor_is_incomplete(model_copy, edit):
 # ---------- 坏输入：一行 `error: ...`，退出码 2 ----------
 
 def error_line(argv, capsys) -> str:
-    """在进程内运行 step01 的 run.py，断言它以一行 `error:` 和状态码 2 结束，返回那一行。"""
-    with pytest.raises(SystemExit) as e:
-        cli.run_main(cli.make_parser("step01"), step01_run.main, argv)
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert e.value.code == 2, (e.value.code, captured.err[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err[-2000:]
-    return lines[0]
+    return cli_error(step01_run, argv, capsys)
 
 
 def test_empty_prompt(capsys):

@@ -8,9 +8,10 @@ import torch
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT
-from conftest import one_arch, run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.engine import generate as generate_step02
 from step02_sampling.sampler import SamplingParams
+from step03_kvcache_single import run as step03_run
 from step03_kvcache_single.cache import CACHES, CatKVCache, PreallocKVCache
 from step03_kvcache_single.engine import forward, generate
 
@@ -317,6 +318,5 @@ def test_run_py_generation_mode_equals_step02(real):
 
 @pytest.mark.parametrize("args", [["--temperature", "-1"], ["--cache", "paged"], ["--top-p", "0"],
                                   ["--prompt", "hi", "--plot", "x.png"]])
-def test_run_py_bad_input_exits_2(args):
-    r = run_py("step03_kvcache_single", *args)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_run_py_bad_input_exits_2(args, capsys):
+    cli_error(step03_run, args, capsys)

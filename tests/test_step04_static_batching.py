@@ -7,10 +7,11 @@ import torch
 
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
-from conftest import one_arch, run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.engine import generate as generate_step03
 from step04_static_batching import batch
+from step04_static_batching import run as step04_run
 from step04_static_batching.batch import PAD_ID, attention_mask, left_pad, positions
 from step04_static_batching.engine import generate_batch
 from step04_static_batching.request import Request
@@ -192,10 +193,8 @@ def test_bad_input_raises_user_error_before_any_work(tiny, bad):
     assert not forwards, f"{len(forwards)} forwards ran before the error"
 
 
-def test_cli_bad_max_batch_size():
-    r = run_py("step04_static_batching", "--prompt", "hi", "--max-batch-size", "0")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+def test_cli_bad_max_batch_size(capsys):
+    assert "--max-batch-size" in cli_error(step04_run, ["--prompt", "hi", "--max-batch-size", "0"], capsys)
 
 
 # ---- 命令行生成模式：所有提示词一起跑，每个与 step03 单独生成相同 ----

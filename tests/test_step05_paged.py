@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
-from conftest import one_arch, run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import generate as generate_single
 from step04_static_batching.request import Request
+from step05_paged import run as step05_run
 from step05_paged.block_allocator import BlockAllocator
 from step05_paged.engine import PagedEngine
 from step05_paged.paged_cache import PagedKVCache
@@ -270,11 +271,11 @@ def test_static_baseline_accounting_by_hand():
 
 # ---------- 命令行（真实模型） ----------
 
-def test_run_py_num_blocks_too_small_is_a_user_error():
-    r = run_py("step05_paged", "--prompt", "Hello there", "--num-blocks", "1", "--max-new-tokens", "32")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error:") and "--num-blocks" in r.stderr and "Traceback" not in r.stderr
-    assert r.stdout == ""                               # 开始生成之前就报错
+def test_run_py_num_blocks_too_small_is_a_user_error(tiny_tok_dir, capsys):
+    line = cli_error(step05_run, ["--model", str(tiny_tok_dir), "--prompt", "Hello there", "--num-blocks", "1",
+                                  "--max-new-tokens", "32"], capsys)
+    assert "--num-blocks" in line
+    assert capsys.readouterr().out == ""                # 开始生成之前就报错
 
 
 def test_run_py_generation_mode_with_preemption_equals_step03(real):
