@@ -1,4 +1,5 @@
 """共用的测试夹具：真实默认模型（只加载一次）、离线创建的随机小模型、运行 run.py 的辅助函数。"""
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,21 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overri
     model = AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def single_thread_for_tiny_models(request):
+    """不用真实模型的测试单线程跑：随机小模型的矩阵只有几十维，第二个线程只带来同步开销；
+    机器上还有别的负载时（CI、并行的其他进程），两个线程互相等待，会慢一个数量级。用真实模型的测试保持默认线程数。"""
+    if "real" in request.fixturenames:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -75,10 +91,11 @@ def tiny_tok_dir(tmp_path_factory) -> Path:
     return path
 
 
-def run_py(step: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """像学习者一样在命令行运行某一步的 run.py。"""
+def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None) -> subprocess.CompletedProcess:
+    """像学习者一样在命令行运行某一步的 run.py。threads：限定 torch 的线程数（随机小模型用 1，见 single_thread_for_tiny_models）。"""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def cli_error(run_module, argv: list[str], capsys) -> str:

@@ -124,7 +124,8 @@ def test_anchors_are_found():
 def test_every_line_anchor_names_a_snippet_on_its_lines():
     bad = [f"{where}  [{squash(label)}] -> {path.relative_to(ROOT) if ROOT in path.parents else path}#L{a}-L{b}: {why}"
            for where, label, path, a, b, _ in anchors() if (why := problem(label, path, a, b))]
-    assert not bad, "line anchors that do not match the code:\n" + "\n".join(bad)
+    assert not bad, ("line anchors that do not match the code (each `file#Lx-Ly` link needs a `snippet` in its text "
+                     "that starts on line x; see this file's docstring):\n" + "\n".join(bad))
 
 
 def test_line_numbers_only_in_anchored_links():
