@@ -75,10 +75,9 @@ def enclosing_class(lines: list[str], a: int) -> str | None:
 
 
 def head_end(lines: list[str], a: int, b: int) -> int:
-    """范围开头的装饰器、注释、空行之后的第一行代码（从 1 数）：片段从它或它之前开始都算"在第一行"。"""
+    """范围开头的装饰器、注释之后的第一行（从 1 数）：片段从它或它之前开始都算"在第一行"。空行不跳过。"""
     for i in range(a, b + 1):
-        s = lines[i - 1].strip()
-        if s and not s.startswith(("@", "#")):
+        if not lines[i - 1].strip().startswith(("@", "#")):
             return i
     return b
 
@@ -105,7 +104,7 @@ def problem(label: str, path: Path, a: int, b: int) -> str | None:
     body = squash(" ".join(lines[a - 1:b]))
     pieces = [squash(p) for p in snippet.split("…")]
     pos = body.find(pieces[0])
-    if not 0 <= pos < len(squash(" ".join(lines[a - 1:head_end(lines, a, b)]))):
+    if not first or not 0 <= pos < len(squash(" ".join(lines[a - 1:head_end(lines, a, b)]))):
         return f"`{pieces[0]}` does not start on line {a}: {first!r}"
     pos += len(pieces[0])
     for piece in pieces[1:]:
