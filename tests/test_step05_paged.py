@@ -292,6 +292,7 @@ def test_run_py_generation_mode_with_preemption_equals_step03(real):
         assert res["prompt_ids"] == ids and c.ok, c.describe()
 
 
+@one_arch
 def test_plan_rejects_block_table_that_does_not_cover_the_new_tokens(tiny):
     """调度器忘了分配块：plan 给出说清楚的错误，而不是 IndexError 或者写到别人的槽里。"""
     cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
