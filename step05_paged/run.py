@@ -16,22 +16,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch.profiler import record_function  # noqa: E402
 
 from common import cli  # noqa: E402
-from common.bench import machine, median_time, table, top_level_ops  # noqa: E402
+from common.bench import machine, table  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.model import Linear  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, draw_margin, params_from_args  # noqa: E402
-from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import generate as generate_single  # noqa: E402
-from step04_static_batching.engine import forward as static_forward  # noqa: E402
 from step04_static_batching.engine import generate_batch, split_batches  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
+from step05_paged.decode_bench import KV_IO, PLAN, decode_step_fns, interleaved_medians, profile_split  # noqa: E402
 from step05_paged.engine import DEFAULT_KV_MIB, PagedEngine, blocks_needed, num_blocks_for_budget  # noqa: E402
 from step05_paged.paged_cache import PagedKVCache  # noqa: E402
-from step05_paged.sequence import Sequence  # noqa: E402
 from step05_paged.workload import mixed_workload, preemption_workload  # noqa: E402
 
 STEP = "step05_paged"
@@ -249,88 +246,26 @@ def chapter(args, s: cli.Session) -> bool:
 @torch.inference_mode()
 def decode_step_comparison(args, s: cli.Session, contexts: list[int], bs: int) -> dict:
     """B 行、各自上下文 contexts 的一次 decode 前向：step04（PreallocKVCache + 左填充掩码，读视图）与
-    step05（plan + 按块表 gather）。缓存里是 0——耗时与 K/V 的数值无关，不用先跑一遍 prefill。
-    每次调用两边都往后走一个位置（上下文 +1），交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开。"""
-    B, P, dev, dt = len(contexts), max(contexts), s.device, s.dtype
+    step05（plan + 按块表 gather）。交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开（decode_bench.py）。"""
     repeats, profiled = (5, 2) if args.quick else (15, 4)
-    steps = repeats + profiled + 2                     # 预热 1 次 + 计时 + 剖析，每次上下文 +1
-    # step04：一批左填充到最长的上下文，缓存里已有 P - 1 列，新 token 写第 P - 1 列
-    cache4 = PreallocKVCache(s.cfg, P + steps, dev, dt, batch_size=B)
-    cache4.advance(P - 1)
-    pad4 = torch.tensor([P - c for c in contexts], device=dev)
-    x4 = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    # step05：每行已缓存 c - 1 个 token，这一步算第 c 个；块像真实运行那样交错分配（各行轮流各要一块）
-    need = [-(-(c + steps) // bs) for c in contexts]
-    cache5 = PagedKVCache(s.cfg, B * max(need), bs, dev, dt)
-    seqs = []
-    for i, c in enumerate(contexts):
-        seq = Sequence(Request([0] * c, steps + 1), torch.Generator())
-        seq.block_table = [j * B + i for j in range(need[i])]
-        seq.num_cached_tokens = c - 1
-        seqs.append(seq)
-
-    def step04():
-        static_forward(s.model, cache4, x4, pad4)
-
-    def step05():
-        with record_function("plan"):
-            fwd = cache5.plan(seqs)
-        s.model(fwd.input_ids, fwd.positions, fwd, last_only=True)
-        for seq in seqs:                     # 像引擎一样：这一步的 token 进了缓存，再"生成"一个
-            seq.num_cached_tokens = seq.num_tokens
-            seq.output_ids.append(0)
-
-    step04(), step05()                       # 预热
-    t4, t5 = [], []
-    for _ in range(repeats):                 # 交替：两边受同样的机器负载影响
-        t4.append(median_time(step04, repeats=1, warmup=0, device=dev))
-        t5.append(median_time(step05, repeats=1, warmup=0, device=dev))
-    m4, m5 = statistics.median(t4), statistics.median(t5)
-
-    def split(fn) -> dict:
-        cats = dict.fromkeys(CATEGORIES, 0.0)
-        wall = 0.0
-        for _ in range(profiled):
-            w, ops = top_level_ops(fn)
-            wall += w / profiled
-            for name, shapes, sec in ops:
-                cats[categorize(name, shapes)] += sec / profiled
-        cats["Python 与调度（算子之间）"] = max(0.0, wall - sum(cats.values()))
-        return cats | {"合计（剖析器下）": wall}
-
-    p4, p5 = split(step04), split(step05)
-    gather = p5["KV 写入与读取（写槽、gather、清零）"] - p4["KV 写入与读取（写槽、gather、清零）"]
-    print(f"B = {B}，上下文 {contexts}（负载前 {B} 个请求的 提示词 + max_new_tokens/2），"
-          f"step04 左填充到 {P}，step05 补齐到 {max(-(-c // bs) for c in contexts)} 块；"
-          f"交替各跑 {repeats} 次取中位数：step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，"
-          f"step05 ÷ step04 = {m5 / m4:.2f}")
-    print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看比例）：")
+    step04, step05 = decode_step_fns(s, contexts, bs, steps=repeats + profiled + 2)
+    med = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device)
+    m4, m5 = med["step04"], med["step05"]
+    p4, p5 = profile_split(step04, profiled), profile_split(step05, profiled)
+    max_blocks = max(-(-c // bs) for c in contexts)
+    print(f"B = {len(contexts)}，上下文 {contexts}（负载前 {len(contexts)} 个请求的 提示词 + max_new_tokens/2；"
+          f"step04 左填充到 {max(contexts)}，step05 补齐到 {max_blocks} 块）；交替各跑 {repeats} 次取中位数：")
+    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}")
+    print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看差值和比例）：")
     print(table(["类别", "step04", "step05", "差"],
                 [[k, f"{p4[k] * 1e3:.1f}", f"{p5[k] * 1e3:.1f}", f"{(p5[k] - p4[k]) * 1e3:+.1f}"] for k in p4]))
-    print(f"每步 gather 拷贝 {B * max(-(-c // bs) for c in contexts) * bs * s.cfg.kv_bytes_per_token(dt.itemsize) / MIB:.1f} MiB；"
-          f"KV 读写一类多出的 {gather * 1e3:.1f} ms 就是它（剖析器下）。")
+    gather = p5[KV_IO] - p4[KV_IO]
+    copied = len(contexts) * max_blocks * bs * s.cfg.kv_bytes_per_token(s.dtype.itemsize)
+    print(f"step05 每步 gather 拷贝 {copied / MIB:.1f} MiB（B × max_blocks × {bs} × 每 token 字节）；"
+          f"KV 读写多出的 {gather * 1e3:.1f} ms 是 gather 和 V 清零，plan() {p5[PLAN] * 1e3:.1f} ms。")
     return {"decode_step_ms_ratio_vs_static": round(m5 / m4, 3), "decode_step_ms": round(m5 * 1e3, 2),
-            "static_decode_step_ms": round(m4 * 1e3, 2),
-            "decode_step_gather_ms": round(gather * 1e3, 2),
-            "decode_step_plan_ms": round(p5["plan() 准备输入"] * 1e3, 2)}
-
-
-CATEGORIES = ["线性层矩阵乘", "注意力（QKᵀ、softmax、PV、掩码）", "KV 写入与读取（写槽、gather、清零）",
-              "plan() 准备输入", "其它算子（RMSNorm、RoPE、SiLU、嵌入、step04 的掩码…）"]
-
-
-def categorize(name: str, shapes: list) -> str:
-    """按顶层事件的名字（和 matmul 的输入形状）归类：第二个输入是 2 维的 matmul 是线性层 x @ W，
-    4 维的是注意力里的 q @ kᵀ、probs @ v。"""
-    if name == "plan":
-        return "plan() 准备输入"
-    if name == "aten::matmul":
-        return "线性层矩阵乘" if len(shapes) > 1 and len(shapes[1]) == 2 else "注意力（QKᵀ、softmax、PV、掩码）"
-    if name in ("aten::softmax", "aten::masked_fill", "aten::div", "aten::bitwise_not"):
-        return "注意力（QKᵀ、softmax、PV、掩码）"
-    if name in ("aten::index_select", "aten::index_fill_", "aten::index_put_", "aten::index", "aten::copy_"):
-        return "KV 写入与读取（写槽、gather、清零）"   # step04 的写入是切片赋值 aten::copy_
-    return "其它算子（RMSNorm、RoPE、SiLU、嵌入、step04 的掩码…）"
+            "static_decode_step_ms": round(m4 * 1e3, 2), "decode_step_gather_ms": round(gather * 1e3, 2),
+            "decode_step_plan_ms": round(p5[PLAN] * 1e3, 2)}
 
 
 def main(args) -> bool:

@@ -441,3 +441,20 @@ def test_run_py_stop_strings_equal_step03(real):
         assert c.ok, c.describe()
         lengths.append(len(ref))
     assert min(lengths) < 16
+
+
+@torch.inference_mode()
+def test_alternative_reads_in_decode_bench_compute_the_same_logits(tiny):
+    """decode_bench.py 里比较速度的几种读法必须算的是同一个东西：池子里放随机数，同一个 decode 步，
+    logits 与 step05 自己的读法在浮点容差内相同（逐行注意力的求和顺序不同，所以不要求逐位相同）。"""
+    from step05_paged.decode_bench import READS, as_read
+    cache = PagedKVCache(tiny.cfg, num_blocks=12, block_size=4, device="cpu", dtype=torch.float32)
+    cache.pool.normal_(generator=torch.Generator().manual_seed(0))
+    seqs = [seq_with(9, [7, 2, 5]), seq_with(2, [0]), seq_with(13, [9, 4, 1, 3])]
+    for seq in seqs:
+        seq.num_cached_tokens = seq.num_tokens - 1
+    fwd = cache.plan(seqs)
+    ref = tiny.model(fwd.input_ids, fwd.positions, fwd, last_only=True)
+    for name, read in READS.items():
+        got = tiny.model(fwd.input_ids, fwd.positions, as_read(cache.plan(seqs), read), last_only=True)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
