@@ -21,7 +21,8 @@ REQUIRED_FIGURES = {
                               "ratio_vs_hf", "roofline_fraction", "kv_bytes_per_token"},
     "step04_static_batching": {"throughput_ratio_vs_sequential", "batch_size", "prefill_padding_waste",
                                "decode_idle_waste", "kv_reserved_waste"},
-    "step05_paged": {"kv_waste", "throughput_ratio_vs_static", "preemptions", "peak_concurrency_ratio_vs_static"},
+    "step05_paged": {"kv_waste", "throughput_ratio_vs_static", "preemptions", "peak_concurrency_ratio_vs_static",
+                     "decode_gather_bytes_per_step", "decode_step_ms_ratio_vs_static"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}
