@@ -141,6 +141,20 @@ def test_line_numbers_only_in_anchored_links():
     assert not bad, "line numbers outside a `file#Lx-Ly` link:\n" + "\n".join(bad)
 
 
+def test_relative_links_point_at_existing_files():
+    """链接到仓库里文件的相对链接（带不带 #锚点都算）：文件必须还在（删掉或改名的文件会留下死链接）。"""
+    bad = []
+    for doc, text in sources():
+        text = re.sub(r"`[^`]*`", lambda c: " " * len(c[0]), text)   # 代码片段里的 `](…)` 不是链接
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m[1].split("#")[0]
+            if not target or re.match(r"^[a-z]+:", target):         # 页内锚点、http(s):、mailto:
+                continue
+            if not (doc.parent / target).exists():
+                bad.append(f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m[1]}")
+    assert not bad, "links to files that do not exist:\n" + "\n".join(bad)
+
+
 def test_checker_catches_moved_code(tmp_path):
     """检查本身能失败：代码下移一行、片段不在第一行、类不对，都会被报告。"""
     f = ROOT / "common" / "model.py"

@@ -114,6 +114,7 @@ def test_waste_accounting_two_batches_hand_example(tiny):
     assert (st.kv_slot_steps_used, st.kv_slot_steps_held, st.peak_kv_slots_held) == (41, 72, 16)
 
 
+@one_arch
 def test_per_request_times_are_recorded(tiny):
     """每个请求的首 token 与结束时刻：批 2 的请求要等批 1 跑完才有首 token；TPOT 只对输出 ≥ 2 个的请求有定义。"""
     reqs = [Request(list(range(2, 2 + n)), m, ignore_eos=True) for n, m in ((2, 4), (5, 1), (3, 2))]
