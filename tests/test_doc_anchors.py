@@ -1,15 +1,14 @@
 """章节里指向代码行的链接（`file.py#L12-L20`）在代码移动后不会悄悄指错地方。
 
-约定（写在链接文字里，读者也看得到）：每个行号链接的文字里有一个反引号代码片段，它必须出现在所指范围的
-**第一行**（片段可以延续到后面几行；空白按一个空格比较；`…` 表示中间省略任意内容）：
+约定（写在链接文字里，读者也看得到）：每个行号链接的文字里有一个反引号代码片段，它必须从所指范围的**第一行**
+开始（范围开头的装饰器、注释行可以先跳过；片段可以延续到后面几行；空白按一个空格比较；`…` 表示中间省略任意内容）：
 
-    [`generate`（engine.py 第 14–22 行）](../step01_naive/engine.py#L14-L22)       第 14 行是 `def generate(...)`
-    [`tok = int(logits.argmax())`，第 18 行](../step01_naive/engine.py#L18)
-    [`Transformer.forward`（第 198–206 行）](../common/model.py#L198-L206)         `A.b`：第一行有 `b`，
-                                                                                  且 A 是文件名或 b 所在的类
+    [`generate`（engine.py 第 N–M 行）](../step01_naive/engine.py#LN-LM)      第 N 行是 def generate(（或它的装饰器）
+    [`tok = sample(…)`，第 N 行](../step02_sampling/engine.py#LN)             第 N 行含 tok = sample(
+    [`Transformer.forward`（第 N–M 行）](../common/model.py#LN-LM)            `A.b`：第一行有 b，且 A 是 b 所在的类或模块名
 
 文件名样子的片段（`engine.py`）不算。正文里不带链接的"第 N 行"不允许：读者没法点过去，代码移动时也没人发现。
-代码移动了：改行号（必要时也改片段）；这个测试列出所有对不上的链接。
+代码移动了：改行号（必要时也改片段）；这个测试列出所有对不上的链接。另有一个测试检查相对链接指向的文件都还在。
 """
 import json
 import re
