@@ -1,7 +1,7 @@
 """章节模式的冒烟测试：每一步的 `run.py --quick --json` 在一个带真实分词器的随机小模型上跑通。
 
 真实模型上的章节模式太慢，不放进测试（`make demo` 跑它）；这里用随机小模型走一遍同样的代码路径：
-检查、基准、表格、JSON 契约（shared/notes/run-cli.md）和各 issue 要求的 figures 名字。
+检查、基准、表格、JSON 约定（docs/00_overview.md 的"run.py 约定"）和各章要求的 figures 名字。
 随机模型不会像真实模型那样自然地输出 EOS，所以只断言 token 一致性的检查（名字里有 equals），
 不要求依赖真实模型行为的检查（例如"负载里有以 EOS 结束的请求"）为真。
 """
