@@ -307,7 +307,8 @@ def save_plot(path: str, bench: dict, long: dict) -> None:
         a.plot(range(P + 1, P + len(xs)), [x * 1e3 for x in xs[1:]], label=names[e], color=colors[e])
     a.set(title=f"每 token 延迟（提示词 {P} tokens）", xlabel="新 token 的位置", ylabel="延迟 (ms)", ylim=(0, None))
     a.legend()
-    P, w = long["prompt_len"], 31
+    P = long["prompt_len"]
+    w = max(3, min(63, len(next(iter(long["latencies"].values()))) // 4) | 1)   # 完整模式 63 步，quick 31 步
     for e, xs in long["latencies"].items():
         ms = [x * 1e3 for x in xs[1:]]
         b.plot(range(P + 1, P + len(xs)), ms, color=colors[e], linewidth=0.5, alpha=0.25)
