@@ -2,12 +2,12 @@
 
 形状记号见 common/shapes.py：B, L, S, E, F, V, H, H_kv, D。
 
-forward(input_ids, positions, cache=None, mask=None, last_only=False)：
+forward(input_ids, positions, cache=None, last_only=False)：
   - positions 显式传入（RoPE 用真实位置，后面有 KV cache 时要加上偏移）；
-  - cache 是一个只需实现 `update(layer_idx, k, v) -> (k_all, v_all)` 的对象：
-    step01/02 不传（每步重算整段序列），step03 传入连续缓存，step05 传入分页缓存，模型代码一行不改；
-  - mask 为 None 时用"右下对齐"的因果掩码（第 i 个 query 看得到它之前的所有 key）；
-    step04/05 的填充与分页需要逐行掩码时，由引擎构造后传入，形状可广播到 (B, 1, 1, L, S)。
+  - cache 是本次前向看到的 KV cache（接口见 common/kv_cache.py）：每层调用 `cache.attend(layer_idx, q, k, v)`，
+    它把新 K/V 存进去、取回要看的全部 K/V 和掩码，再调用下面的 attention()。
+    step01/02 不传（每步重算整段序列，用因果掩码），step03 传入连续缓存，step04 传入带左填充掩码的批缓存，
+    step05 传入分页缓存这次前向的视图——模型代码一行不改。
 """
 import math
 
@@ -99,6 +99,26 @@ def causal_mask(L: int, S: int, device) -> torch.Tensor:
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
 
 
+def attention(q, k, v, mask=None):
+    """缩放点积注意力，GQA 不复制 K/V。q (B, H, L, D)，k/v (B, H_kv, S, D) → (B, H, L, D)。
+    mask：可广播到 (B, 1, 1, L, S) 的布尔张量（H_kv、G 两维广播），True = 可以看；None = causal_mask(L, S)。"""
+    B, H, L, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H // H_kv
+    # GQA：query 头 h 使用 KV 头 h // G。把 H 拆成 (H_kv, G)，同组 G 个头和 L 个位置并成一维，
+    # 这样一次 matmul 就让 G 个 query 头共享同一份 K/V，不需要把 K/V 复制 G 份。
+    q = q.reshape(B, H_kv, G * L, D)                          # (B, H, L, D) -> (B, H_kv, G·L, D)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)           # (B, H_kv, G·L, D) x (B, H_kv, D, S) -> (B, H_kv, G·L, S)
+    scores = scores.view(B, H_kv, G, L, S)
+    if mask is None:
+        mask = causal_mask(L, S, q.device)                    # (L, S)
+    # 用 dtype 的最小值而不是 -inf：整行都被遮住（填充行）时 softmax 不会出 NaN
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # 在 float32 里做 softmax
+    out = probs.view(B, H_kv, G * L, S) @ v                   # (B, H_kv, G·L, S) x (B, H_kv, S, D) -> (B, H_kv, G·L, D)
+    return out.view(B, H, L, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -114,10 +134,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, cache=None, mask=None):
+    def forward(self, x, cos, sin, cache=None):
         B, L, _ = x.shape
         H, H_kv, D = self.H, self.H_kv, self.D
-        G = H // H_kv
         q = self.q_proj(x).view(B, L, H, D)        # (B, L, E) -> (B, L, H, D)
         k = self.k_proj(x).view(B, L, H_kv, D)     # (B, L, H_kv, D)
         v = self.v_proj(x).view(B, L, H_kv, D)
@@ -126,23 +145,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, L, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cache is not None:
-            # 缓存只存 H_kv 个头（不存重复后的 H 个头）；返回含历史的全部 K/V
-            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D)
-        S = k.shape[2]
-
-        # GQA：query 头 h 使用 KV 头 h // G。把 H 拆成 (H_kv, G)，同组 G 个头和 L 个位置并成一维，
-        # 这样一次 matmul 就让 G 个 query 头共享同一份 K/V，不需要把 K/V 复制 G 份。
-        q = q.reshape(B, H_kv, G * L, D)                          # (B, H, L, D) -> (B, H_kv, G·L, D)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(D)           # (B, H_kv, G·L, D) x (B, H_kv, D, S) -> (B, H_kv, G·L, S)
-        scores = scores.view(B, H_kv, G, L, S)
-        if mask is None:
-            mask = causal_mask(L, S, x.device)                    # (L, S)
-        # 用 dtype 的最小值而不是 -inf：整行都被遮住（填充行）时 softmax 不会出 NaN
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # 在 float32 里做 softmax
-        out = probs.view(B, H_kv, G * L, S) @ v                   # (B, H_kv, G·L, S) x (B, H_kv, S, D) -> (B, H_kv, G·L, D)
-        out = out.view(B, H, L, D).transpose(1, 2).reshape(B, L, H * D)  # -> (B, L, H·D)
+        if cache is None:   # 没有缓存：本次前向的 K/V 就是全部，因果掩码
+            out = attention(q, k, v)                              # (B, H, L, D)
+        else:               # 缓存只存 H_kv 个头（不存重复后的 H 个头），决定新 K/V 存哪、这次看哪些 K/V
+            out = cache.attend(self.layer_idx, q, k, v)           # (B, H, L, D)
+        out = out.transpose(1, 2).reshape(B, L, H * D)            # (B, H, L, D) -> (B, L, H·D)
         return self.o_proj(out)                                   # (B, L, E)
 
 
@@ -170,8 +177,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -195,12 +202,12 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids, positions, cache=None, mask=None, last_only=False):
+    def forward(self, input_ids, positions, cache=None, last_only=False):
         """input_ids, positions: (B, L) → logits (B, L, V)；last_only=True 时只算最后一个位置 (B, 1, V)。"""
         x = self.embed_tokens(input_ids)                 # (B, L) -> (B, L, E)
         cos, sin = self.rope(positions, x.dtype)         # (B, L, D) 各一份，所有层共用
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, mask)
+            x = layer(x, cos, sin, cache)
         if last_only:
             x = x[:, -1:]                                # 生成只需要最后一个位置：省掉 (L-1)·E·V 次乘加
         return self.lm_head(self.norm(x)).float()        # (B, L, E) x (E, V) -> (B, L, V)，logits 统一用 float32

@@ -1,6 +1,7 @@
 """step03 的两种 KV cache：接口相同，存法不同。
 
-模型的每一层在算完本次前向新 token 的 K/V（已做 RoPE）后调用
+两者都实现 common/kv_cache.py 的 KVCache 接口。模型的每一层在算完本次前向新 token 的 K/V（已做 RoPE）后，
+经 cache.attend 调用
 
     k_all, v_all = cache.update(layer_idx, k, v)
         k, v          (B, H_kv, L, D)   本次新算出的 L 个位置
@@ -11,12 +12,15 @@
 之后的位置，各层的数据错开，结果就错了（tests/test_step03_kvcache.py 演示了这个经典 bug）。
 
 只缓存 H_kv 个 KV 头（GQA：SmolLM2 的 9 个 query 头共享 3 个 KV 头），不缓存复制后的 H 个头。
-step04/step05 的缓存沿用同一个 update / advance / length 接口，模型代码一行不改。
+mask = None：单个请求、没有填充，模型用右下对齐的因果掩码。
+step04 直接复用 PreallocKVCache（整批共用一个 length，update / advance 不变，另加本次前向的左填充掩码）；
+step05 的分页缓存实现同一个 update / mask 接口，但"长度"变成了每个请求自己的，由引擎按请求记账。
 """
 import torch
 
 from common.config import ModelConfig
 from common.errors import UserError
+from common.kv_cache import KVCache
 
 
 def _check_room(length: int, new: int, max_len: int) -> None:
@@ -24,12 +28,14 @@ def _check_room(length: int, new: int, max_len: int) -> None:
         raise UserError(f"KV cache overflow: {length} cached + {new} new tokens exceeds max_len {max_len}")
 
 
-class CatKVCache:
+class CatKVCache(KVCache):
     """直观版：每层一对 K/V 张量，每次前向用 torch.cat 把新的 K/V 接在后面。
 
     代价：torch.cat 每次都分配一块新内存，把旧的 S-L 个位置连同新的 L 个位置整段复制过去。
     decode 第 t 步（S = 提示词长度 + t）复制 S 个位置，生成 N 个 token 共复制 O(N² + N·提示词长度) 个位置；
     bytes_copied 把这些字节数如实累加，run.py 拿它和预分配版比较。"""
+
+    mask = None   # 单个请求、没有填充：因果掩码
 
     def __init__(self, cfg: ModelConfig, max_len: int, device=None, dtype=None):
         # device / dtype 不需要（张量在第一次 update 时按传入的 K/V 建立），保留参数是为了与 PreallocKVCache 同一种构造方式
@@ -61,10 +67,12 @@ class CatKVCache:
         return sum(t.nbytes for t in self.k + self.v if t is not None)
 
 
-class PreallocKVCache:
+class PreallocKVCache(KVCache):
     """生产做法：一开始就按 max_len 分配好全部空间，之后只把新位置的 K/V 原地写进去，读取时返回切片视图。
 
     每次前向只写 L 个新位置（decode 时就 1 个），历史一个字节都不搬；读取 [:S] 是视图，也不复制。"""
+
+    mask = None   # 单个请求、没有填充：因果掩码（step04 批处理时由 MaskedCache 另给逐行掩码）
 
     def __init__(self, cfg: ModelConfig, max_len: int, device, dtype, batch_size: int = 1):
         self.max_len = max_len

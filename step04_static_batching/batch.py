@@ -12,7 +12,12 @@
     行 1      c  d  e  f            0 1 2 3
     行 2      ·  ·  ·  g            0 0 0 0
 """
+from dataclasses import dataclass
+
 import torch
+
+from common.kv_cache import KVCache
+from step03_kvcache_single.cache import PreallocKVCache
 
 PAD_ID = 0  # 填充位置放什么 token 都行：掩码保证没有任何真实 token 看得到它
 
@@ -46,3 +51,14 @@ def attention_mask(pad_lens: torch.Tensor, start: int, L: int) -> torch.Tensor:
     real = k_cols >= pad_lens[:, None]                                        # (1, S) >= (B, 1) -> (B, S)
     mask = causal[None, :, :] & real[:, None, :]                              # (1, L, S) & (B, 1, S) -> (B, L, S)
     return mask[:, None, None]                                                # (B, 1, 1, L, S)：对 H_kv、G 两维广播
+
+
+@dataclass
+class MaskedCache(KVCache):
+    """一次前向看到的缓存：step03 的 PreallocKVCache（整批共用一个长度，原样读写）+ 这次前向的逐行掩码。
+    掩码随每次前向变（S 每步加 1），所以不放在长期存在的缓存对象上，而是每次前向新造一个这样的视图。"""
+    cache: PreallocKVCache
+    mask: torch.Tensor          # (B, 1, 1, L, S)，见 attention_mask
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.update(layer_idx, k, v)

@@ -7,7 +7,8 @@
 每一行有自己的停止条件、自己的采样参数和自己的随机数发生器，所以每个请求的输出与它在 step03 里单独生成时相同。
 
 缓存直接用 step03 的 PreallocKVCache，只是 batch_size = B：左填充让所有行在同一列写入（见 batch.py），
-整批共用一个 length，update / advance 与 step03 完全相同，模型代码一行不改。
+整批共用一个 length，update / advance 与 step03 完全相同。每次前向把它和本次的逐行掩码包成一个 MaskedCache
+交给模型（common/kv_cache.py 的接口：update + mask），模型代码一行不改。
 """
 from typing import NamedTuple
 
@@ -16,7 +17,7 @@ import torch
 from common.errors import UserError
 from step02_sampling.sampler import make_generator, sample
 from step03_kvcache_single.cache import PreallocKVCache
-from step04_static_batching.batch import attention_mask, left_pad, positions
+from step04_static_batching.batch import MaskedCache, attention_mask, left_pad, positions
 from step04_static_batching.request import Request, Sequence
 from step04_static_batching.stats import BatchStats
 
@@ -31,8 +32,8 @@ def forward(model, cache: PreallocKVCache, x: torch.Tensor, pad_lens: torch.Tens
     返回每行最后一列的 logits (B, V)。"""
     start, L = cache.length, x.shape[1]
     # >>> step04 修改：位置与掩码逐行不同（step03 是 arange(start, start+L) 和模型默认的因果掩码）
-    logits = model(x, positions(pad_lens, start, L), cache, attention_mask(pad_lens, start, L),
-                   last_only=True)                                              # (B, 1, V)
+    view = MaskedCache(cache, attention_mask(pad_lens, start, L))              # 本次前向：缓存 + (B, 1, 1, L, S) 掩码
+    logits = model(x, positions(pad_lens, start, L), view, last_only=True)     # (B, 1, V)
     # <<<
     cache.advance(L)  # 全部层都写完之后才推进长度：每次前向正好一次
     return logits[:, -1]                                                        # (B, V)

@@ -1,7 +1,7 @@
 """step05 引擎：分页 KV cache + 连续批处理 + 重算式抢占。
 
-每一步：调度器选出这一步要算的请求（全 prefill 或全 decode）→ cache.plan 把它们排成张量并算好槽号 →
-模型前向一次（每层经 cache.update 写入新 K/V、按块表读回全部 K/V）→ 每个请求用自己的随机数发生器采样一个
+每一步：调度器选出这一步要算的请求（全 prefill 或全 decode）→ cache.plan 把它们排成张量、算好槽号，
+得到这次前向的 PagedForward → 把它当作 cache 传给模型，前向一次（每层经它的 update 写入新 K/V、按块表读回全部 K/V）→ 每个请求用自己的随机数发生器采样一个
 token → 结束的请求立刻把块还回去，下一步就可以接纳新请求。
 
 与 step03 逐 token 一致的关键：
@@ -102,8 +102,8 @@ class PagedEngine:
         t0 = time.perf_counter()
         while sched.has_work():
             batch = sched.schedule()
-            plan = self.cache.plan(batch.seqs)
-            logits = self.model(plan.input_ids, plan.positions, self.cache, plan.mask, last_only=True)[:, -1]  # (B, V)
+            fwd = self.cache.plan(batch.seqs)                    # 这次前向的地址信息（PagedForward）
+            logits = self.model(fwd.input_ids, fwd.positions, fwd, last_only=True)[:, -1]  # (B, V)
             for seq in batch.seqs:
                 seq.num_cached_tokens = seq.num_tokens   # 这次前向把它的全部 token 都写进池子了
             self._account(stats, sched, batch.is_prefill)

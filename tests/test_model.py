@@ -83,3 +83,25 @@ def test_causal_mask_is_bottom_right_aligned():
 def test_unknown_architecture_is_a_user_error():
     with pytest.raises(UserError, match="unsupported architecture"):
         ModelConfig.from_dict({"model_type": "gpt2", "hidden_size": 8})
+
+
+def test_cache_attend_default_is_update_then_attention(tiny):
+    """common/kv_cache.py 的默认 attend = update + attention(mask)：一个什么都不存、只返回新 K/V 的缓存，
+    mask 为 None 时与不传缓存的前向完全相同；换一个掩码（每个位置只看自己），结果随之改变。"""
+    from common.kv_cache import KVCache
+
+    class PassThrough(KVCache):
+        def __init__(self, mask=None):
+            self.mask, self.calls = mask, []
+
+        def update(self, layer_idx, k, v):
+            self.calls.append(layer_idx)
+            return k, v
+
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    pos = torch.arange(6)[None]
+    cache = PassThrough()
+    assert torch.equal(tiny.model(ids, pos, cache), tiny.model(ids, pos))
+    assert cache.calls == list(range(tiny.cfg.num_layers))        # 每层正好一次
+    only_self = PassThrough(torch.eye(6, dtype=torch.bool))         # 每个位置只看自己
+    assert not torch.allclose(tiny.model(ids, pos, only_self), tiny.model(ids, pos))

@@ -106,7 +106,7 @@ def test_plan_by_hand(tiny):
     assert p.positions.tolist() == [[0, 0, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5]]
     assert p.token_index.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11]
     assert p.slot_mapping.tolist() == [12, 13, 14, 0, 1, 2, 3, 8, 9]   # 块号 × 4 + 块内偏移
-    assert p.block_tables.tolist() == [[3, 0], [0, 2]]
+    assert p.block_tables.tolist() == [[3, 4], [0, 2]]                 # A 的块表用空块（第 4 块）补齐
     assert p.mask.shape == (2, 1, 1, 6, 8)
     assert p.mask[0, 0, 0, 5].tolist() == [True, True, True, False, False, False, False, False]  # 位置 2 看 key 0..2
     # decode：A 已缓存 3 个、新 token 在位置 3（仍在第 0 块）；B 的位置 6 落在第 1 块（物理块 2）的偏移 2
@@ -133,7 +133,7 @@ def test_block_table_gather_equals_contiguous_cache(tiny):
         for layer in range(cfg.num_layers):
             k = torch.randn(B, H_kv, L, D, generator=g)
             v = torch.randn(B, H_kv, L, D, generator=g)
-            k_all, v_all = cache.update(layer, k, v)   # (B, H_kv, S, D)
+            k_all, v_all = p.update(layer, k, v)       # (B, H_kv, S, D)
             for i, (seq, dc) in enumerate(zip(seqs, dense)):
                 n_new = seq.num_tokens - seq.num_cached_tokens
                 kd, vd = dc.update(layer, k[i:i + 1, :, L - n_new:], v[i:i + 1, :, L - n_new:])  # 只取真实 token
@@ -144,7 +144,7 @@ def test_block_table_gather_equals_contiguous_cache(tiny):
             seq.num_cached_tokens = seq.num_tokens
             seq.output_ids.append(1)
     used = {b for s in seqs for b in s.block_table}
-    for blk in set(range(12)) - used:                  # 填充的 query 没有写进任何槽：块表之外的块仍全是 0
+    for blk in set(range(13)) - used:                  # 填充的 query 没有写进任何槽：块表之外的块（含空块）仍全是 0
         assert not cache.pool[:, :, blk].any()
 
 
@@ -283,3 +283,10 @@ def test_run_py_generation_mode_with_preemption_equals_step03(real):
         ref = generate_single(real.model, ids, 20, SamplingParams(), real.tok.eos_ids, ignore_eos=True)
         c = compare(p, ids, ref, res["output_ids"], real.full_logits, TOL)
         assert res["prompt_ids"] == ids and c.ok, c.describe()
+
+
+def test_plan_rejects_block_table_that_does_not_cover_the_new_tokens(tiny):
+    """调度器忘了分配块：plan 给出说清楚的错误，而不是 IndexError 或者写到别人的槽里。"""
+    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="does not cover position 4"):
+        cache.plan([seq_with(5, [1])])
