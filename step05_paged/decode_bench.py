@@ -132,14 +132,28 @@ class TwoSelectsFreshAlloc(PagedForward):
 
 
 class NoVZeroing(PagedForward):
-    """现在的写法去掉"V 清零"：看清零本身花多少（它让毒值进不了输出，见 tests）。"""
+    """现在的写法去掉尾巴的清零：看清零本身花多少（它让毒值进不了输出，见 tests）。"""
 
     def update(self, layer_idx, k, v):
-        rows = self.v_pad_rows
-        self.v_pad_rows = rows[:0]
+        rows = self.v_tail_rows
+        self.v_tail_rows = rows[:0]
         out = PagedForward.update(self, layer_idx, k, v)
-        self.v_pad_rows = rows
+        self.v_tail_rows = rows
         return out
+
+
+class ZeroAllBeyondLength(PagedForward):
+    """现在的写法，但读回之后逐 token 清零长度之外的全部 V（补齐的空块 + 尾巴），而不是只清尾巴、靠空块本身是 0。"""
+
+    def update(self, layer_idx, k, v):
+        k_all, v_all = PagedForward.update(self, layer_idx, k, v)
+        B, H_kv, S, D = v_all.shape
+        if layer_idx == 0:                   # 行号每次前向只算一次（像 plan 里那样）
+            length = self.positions[:, -1] + 1                                    # (B,)
+            beyond = (torch.arange(S)[None, :] >= length[:, None])[:, None, :].expand(B, H_kv, S)
+            self.beyond_rows = beyond.flatten().nonzero().squeeze(1)
+        v_all.view(-1, D).index_fill_(0, self.beyond_rows, 0)
+        return k_all, v_all
 
 
 class TokenExactGather(PagedForward):
@@ -193,8 +207,9 @@ class PerRowAttention(PagedForward):
 
 
 READS = {
-    "现在：K、V 一次 index_select → 每层复用的缓冲，再清零长度之外的 V": PagedForward,
-    "  同上，但不清零 V": NoVZeroing,
+    "现在：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": PagedForward,
+    "  同上，但读回后逐 token 清零长度之外的全部 V": ZeroAllBeyondLength,
+    "  同上，但不清零尾巴": NoVZeroing,
     "最初：K、V 各一次 index_select，每层新分配": TwoSelectsFreshAlloc,
     "按 token 取到最长的真实长度（高级索引 + transpose）": TokenExactGather,
     "不补齐：只拷各行自己的块，逐行注意力": PerRowAttention,
