@@ -249,13 +249,15 @@ def decode_step_comparison(args, s: cli.Session, contexts: list[int], bs: int) -
     step05（plan + 按块表 gather）。交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开（decode_bench.py）。"""
     repeats, profiled = (5, 2) if args.quick else (15, 4)
     step04, step05 = decode_step_fns(s, contexts, bs, steps=repeats + profiled + 2)
-    med = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device)
+    med, cpu = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device, cpu=True)
     m4, m5 = med["step04"], med["step05"]
     p4, p5 = profile_split(step04, profiled), profile_split(step05, profiled)
     max_blocks = max(-(-c // bs) for c in contexts)
     print(f"B = {len(contexts)}，上下文 {contexts}（负载前 {len(contexts)} 个请求的 提示词 + max_new_tokens/2；"
           f"step04 左填充到 {max(contexts)}，step05 补齐到 {max_blocks} 块）；交替各跑 {repeats} 次取中位数：")
-    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}")
+    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}"
+          f"（进程 CPU 时间：{cpu['step04'] * 1e3:.1f} 对 {cpu['step05'] * 1e3:.1f} ms，"
+          f"{cpu['step05'] / cpu['step04']:.2f}；机器忙时它比墙钟稳）")
     print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看差值和比例）：")
     print(table(["类别", "step04", "step05", "差"],
                 [[k, f"{p4[k] * 1e3:.1f}", f"{p5[k] * 1e3:.1f}", f"{(p5[k] - p4[k]) * 1e3:+.1f}"] for k in p4]))
