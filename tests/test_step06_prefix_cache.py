@@ -1,0 +1,222 @@
+"""step06：哈希链与查找（手算）、块池的不变量（性质测试：缓存、共享、驱逐、强制碰撞）、基数树（手算 + 与暴力
+最长公共前缀比），以及引擎：命中的前缀、小池子下的驱逐与抢占、随机负载，每个输出都等于 step03 / step05。"""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from step06_prefix_cache.block_pool import PrefixCachingBlockAllocator, chain_hash
+from step06_prefix_cache.radix_tree import RadixTree
+
+
+def collide(parent_key, token_ids):
+    """故意很差的哈希：只看第一个 token 的奇偶——大量不同的前缀得到同一个 key。"""
+    return token_ids[0] % 2
+
+
+# ---------- 哈希链与查找：手算的例子 ----------
+
+def cache_sequence(pool: PrefixCachingBlockAllocator, tokens: list[int]) -> list[int]:
+    """模拟一个请求：分配块、"算完"全部 token、把写满的块按顺序登记。返回块表。"""
+    bs = pool.block_size
+    table = pool.allocate(-(-len(tokens) // bs))
+    for i in range(len(tokens) // bs):
+        pool.cache_block(table[i], table[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]))
+    return table
+
+
+def test_hash_chain_and_lookup_by_hand():
+    pool = PrefixCachingBlockAllocator(8, block_size=4)
+    a = cache_sequence(pool, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])          # 两个满块 + 一个半块
+    k0 = chain_hash(None, (1, 2, 3, 4))
+    k1 = chain_hash(k0, (5, 6, 7, 8))
+    assert pool.cached[a[0]].key == k0 and pool.cached[a[1]].key == k1 and a[2] not in pool.cached
+    assert pool.key_to_block == {k0: a[0], k1: a[1]}
+    # 同样的前缀、更长的请求：两块都命中，后面没有满块了
+    m = pool.longest_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9], max_blocks=2)
+    assert m.blocks == a[:2] and m.next_key is None
+    # 恰好 8 个 token：至少要算一个 token，所以最多命中 (8 - 1) // 4 = 1 块，第 1 块要重算
+    m = pool.longest_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8], max_blocks=1)
+    assert m.blocks == a[:1] and m.next_key == k1
+    # 第二块不同：只命中第 0 块
+    m = pool.longest_cached_prefix([1, 2, 3, 4, 9, 9, 9, 9, 0], max_blocks=2)
+    assert m.blocks == a[:1] and m.next_key == chain_hash(k0, (9, 9, 9, 9))
+    # 同样的 token 出现在别的位置：key 是链式的，位置 4..7 的块不能当位置 0..3 用
+    m = pool.longest_cached_prefix([5, 6, 7, 8, 0], max_blocks=1)
+    assert m.blocks == [] and m.next_key == chain_hash(None, (5, 6, 7, 8))
+
+
+def test_forced_hash_collision_is_a_miss_not_a_wrong_hit():
+    pool = PrefixCachingBlockAllocator(8, block_size=4, hash_fn=lambda parent, tokens: 0)   # 所有块同一个 key
+    a = cache_sequence(pool, [1, 2, 3, 4, 1, 2, 3, 4, 5])
+    assert list(pool.cached) == [a[0]]                  # 第 1 块的 key 已被第 0 块占着：不登记，一个 key 只对应一块
+    assert pool.longest_cached_prefix([9, 9, 9, 9, 0], 1).blocks == []             # key 相同、token 不同
+    # 第 1 块的 token 与第 0 块相同、key 也相同：核对"前一块"发现它是位置 0 的块，不是第 0 块的后继
+    assert pool.longest_cached_prefix([1, 2, 3, 4, 1, 2, 3, 4, 0], 2).blocks == [a[0]]
+
+
+def test_lru_eviction_takes_empty_blocks_first_then_the_tail_of_the_oldest_prefix():
+    pool = PrefixCachingBlockAllocator(5, block_size=2)
+    a = cache_sequence(pool, [1, 2, 3, 4, 5, 6])        # 3 个满块，全部登记
+    b = cache_sequence(pool, [7, 8])
+    pool.free(a)                                        # 从尾到头进 evictable：a[2], a[1], a[0]
+    pool.free(b)
+    assert list(pool.evictable) == [a[2], a[1], a[0], b[0]] and pool.num_free == 5
+    c = pool.allocate(2)                                # 空块只有 1 个：再驱逐最久没用的 a[2]（a 的尾巴）
+    assert sorted(c) == sorted([4, a[2]]) and pool.num_evictions == 1 and a[2] not in pool.cached
+    m = pool.longest_cached_prefix([1, 2, 3, 4, 5, 6, 0], max_blocks=3)
+    assert m.blocks == a[:2]                            # 前两块还在，仍能命中
+    pool.acquire(m.blocks)                              # 命中：从 evictable 里取出，不再能被驱逐
+    assert list(pool.evictable) == [b[0]] and pool.ref_counts[a[0]] == 1
+    with pytest.raises(RuntimeError):
+        pool.allocate(2)                                # 只剩 b[0] 一块可用
+
+
+# ---------- 块池的不变量：随机的接纳 / 增长 / 共享 / 释放之后 ----------
+
+class Owner:
+    """一个持有块表的"请求"：tokens 是它已经算好 K/V 的 token。"""
+    def __init__(self, tokens, table, registered):
+        self.tokens, self.table, self.registered = tokens, table, registered
+
+
+def compute_and_register(pool, content, o: Owner, start: int) -> None:
+    """"算" token start..：写满的块记下它在模拟池里的内容（整段前缀），再按顺序登记。"""
+    bs = pool.block_size
+    for j in range(start // bs, len(o.tokens) // bs):
+        content[o.table[j]] = tuple(o.tokens[:(j + 1) * bs])       # 块 j 的 K/V 取决于位置 0..(j+1)·bs-1 的全部 token
+    for j in range(o.registered, len(o.tokens) // bs):
+        pool.cache_block(o.table[j], o.table[j - 1] if j else None, tuple(o.tokens[j * bs:(j + 1) * bs]))
+    o.registered = len(o.tokens) // bs
+
+
+def check_pool(pool: PrefixCachingBlockAllocator, owners: list[Owner], content: dict) -> None:
+    held = [0] * pool.num_blocks
+    for o in owners:
+        for b in o.table:
+            held[b] += 1
+    assert pool.ref_counts == held                                   # 引用计数 = 持有它的块表个数
+    free, evictable = list(pool.free_blocks), list(pool.evictable)
+    in_use = {b for b in range(pool.num_blocks) if held[b]}
+    assert len(free) + len(evictable) + len(in_use) == pool.num_blocks   # 三者互斥且覆盖全部：不泄漏、不既空闲又被引用
+    assert set(free) | set(evictable) | in_use == set(range(pool.num_blocks))
+    assert not set(free) & set(pool.cached) and set(evictable) <= set(pool.cached)
+    assert {k: b for b, c in pool.cached.items() for k in [c.key]} == pool.key_to_block   # key 唯一，双向一致
+    order = {b: i for i, b in enumerate(evictable)}
+    for b, c in pool.cached.items():
+        assert content[b][-pool.block_size:] == c.token_ids                   # 登记的 token 就是块里存的
+        if c.parent is None:
+            assert len(content[b]) == pool.block_size                           # 第 0 块只能是位置 0 开始的块
+        else:
+            assert c.parent in pool.cached                                      # 没有断了父块的缓存块
+            assert content[c.parent] == content[b][:-pool.block_size]           # 父块存的正是它前面的前缀
+        if b in order and c.parent in order:
+            assert order[b] < order[c.parent]                                   # 子块总在父块之前被驱逐
+
+
+alphabet = st.lists(st.integers(0, 2), min_size=1, max_size=9)   # 字母表很小：前缀大量重复
+ops = st.lists(st.tuples(st.sampled_from(["admit", "grow", "fork", "free"]), st.integers(0, 30), alphabet), max_size=40)
+
+
+@pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["chain_hash", "forced_collisions"])
+@settings(max_examples=250, deadline=None)
+@given(num_blocks=st.integers(1, 10), block_size=st.integers(1, 3), ops=ops)
+def test_pool_invariants_and_hits_hold_the_right_kv(hash_fn, num_blocks, block_size, ops):
+    """不变量见 check_pool。另外每次命中都检查：命中的块里存的正是这段前缀在这些位置上的 K/V
+    （模拟池里记的是写它时的整段前缀）——哈希碰撞时也必须如此。"""
+    pool = PrefixCachingBlockAllocator(num_blocks, block_size, hash_fn)
+    owners: list[Owner] = []
+    content: dict[int, tuple] = {}
+    for op, n, tokens in ops:
+        if op == "admit":
+            m = pool.longest_cached_prefix(tokens, max_blocks=(len(tokens) - 1) // block_size)
+            for i, b in enumerate(m.blocks):
+                assert content[b] == tuple(tokens[:(i + 1) * block_size])
+            need = -(-len(tokens) // block_size) - len(m.blocks)
+            if pool.can_allocate(need + sum(pool.ref_counts[b] == 0 for b in m.blocks)):
+                pool.acquire(m.blocks)
+                o = Owner(list(tokens), m.blocks + pool.allocate(need), len(m.blocks))
+                owners.append(o)
+                compute_and_register(pool, content, o, len(m.blocks) * block_size)
+        elif owners:
+            o = owners[n % len(owners)]
+            if op == "grow":                                         # decode 若干 token，写满的块也登记
+                start = len(o.tokens)
+                o.tokens += tokens
+                extra = -(-len(o.tokens) // block_size) - len(o.table)
+                if not pool.can_allocate(extra):
+                    o.tokens = o.tokens[:start]
+                    continue
+                o.table += pool.allocate(extra)
+                compute_and_register(pool, content, o, start)
+            elif op == "fork" and len(o.tokens) % block_size == 0:   # 只共享满块：之后各写各的新块，不需要写时复制
+                owners.append(Owner(list(o.tokens), pool.fork(o.table), o.registered))
+            elif op == "free":
+                pool.free(owners.pop(n % len(owners)).table)
+        check_pool(pool, owners, content)
+    for o in owners:
+        pool.free(o.table)
+    check_pool(pool, [], content)
+    assert pool.num_free == num_blocks and not any(pool.ref_counts)
+
+
+# ---------- 基数树 ----------
+
+def test_radix_tree_by_hand_this_is_the_end():
+    """块大小 4 的例子 "|This is the||end.|"：用词当 token。"""
+    this, is_, the, end, dot, bang = 11, 12, 13, 14, 15, 16
+    t = RadixTree(capacity_tokens=10)
+    assert t.insert([this, is_, the, end, dot]) == 5
+    m = t.match_prefix([this, is_, the, end, bang])
+    assert m.length == 4 and m.node.tokens == (this, is_, the, end)   # 在边的中间分开：分裂出一个节点
+    assert t.insert([this, is_, the, end, bang]) == 1 and t.num_nodes() == 3 and t.size == 6
+    # 块粒度（4）只能用 1 块 = 4 个 token；基数树同样 4 个，但下一个请求少算的是 token，而不是整块
+    assert t.match_prefix([this, is_, the]).length == 3
+    # 容量 10：再放 6 个 token 要腾出 2 个——最久没访问的叶子先走（dot，然后 bang）；公共前缀还在
+    assert t.insert([1, 2, 3, 4, 5, 6]) == 6 and t.size == 10 and t.num_evicted_tokens == 2
+    assert t.match_prefix([this, is_, the, end, dot]).length == 4
+
+
+def test_radix_tree_locked_path_is_not_evicted():
+    t = RadixTree(capacity_tokens=6)
+    t.insert([1, 2, 3])
+    node = t.match_prefix([1, 2, 3]).node
+    t.lock(node)
+    assert t.insert([7, 8, 9, 10]) == 3                 # 锁着的 3 个 token 不能驱逐：只放得下 3 个
+    assert t.match_prefix([1, 2, 3]).length == 3
+    t.unlock(node)
+    t.insert([5, 5, 5])                                  # 现在可以驱逐最久没访问的 [7, 8, 9]
+    assert t.match_prefix([7, 8, 9]).length == 0 and t.match_prefix([1, 2, 3]).length == 3
+    with pytest.raises(RuntimeError):
+        t.unlock(node)
+
+
+def lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=25),
+       capacity=st.integers(1, 60))
+def test_radix_tree_matches_brute_force_longest_common_prefix(seqs, capacity):
+    """容量够时：匹配长度 = 与所有插入过的序列的最长公共前缀；容量不够时：不超过它，树的大小不超过容量，
+    树里的每条路径都是某个插入过的序列的前缀。"""
+    t = RadixTree(capacity)
+    inserted, lossless = [], True        # lossless：至今没有驱逐过、也没有因为装不下而截断过
+    for s in seqs:
+        best = max((lcp(s, x) for x in inserted), default=0)
+        got = t.match_prefix(s).length
+        assert got == best if lossless else got <= best
+        lossless &= t.insert(s) == len(s) - got and t.num_evicted_tokens == 0
+        inserted.append(s)
+        assert t.size == sum(len(n.tokens) for n in t._nodes()) <= capacity
+    stack = [(t.root, ())]
+    while stack:
+        node, path = stack.pop()
+        path = path + node.tokens
+        assert any(tuple(x[:len(path)]) == path for x in inserted) or not path
+        stack.extend((c, path) for c in node.children.values())
