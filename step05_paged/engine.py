@@ -47,6 +47,7 @@ class EngineStats:
     allocated_slot_steps: int = 0       # Σ 每步运行集合持有的槽数
     used_slot_steps: int = 0            # Σ 每步其中真正存着 token K/V 的槽数
     generated_tokens: int = 0
+    prefill_tokens: int = 0             # prefill 实际算了多少个 token（被抢占后重算的也算）
     ttft_s: list[float] = field(default_factory=list)   # 每个请求的首 token 时间（所有请求都在 t=0 到达）
     tpot_s: list[float] = field(default_factory=list)   # 生成 ≥ 2 个 token 的请求：(结束 − 首 token) ÷ (输出数 − 1)
     preempted: list[int] = field(default_factory=list)  # 每个请求被抢占了几次（按请求顺序）
@@ -104,6 +105,8 @@ class PagedEngine:
             batch = sched.schedule()
             fwd = self.cache.plan(batch.seqs)                    # 这次前向的地址信息（PagedForward）
             logits = self.model(fwd.input_ids, fwd.positions, fwd, last_only=True)[:, -1]  # (B, V)
+            if batch.is_prefill:
+                stats.prefill_tokens += sum(seq.num_tokens - seq.num_cached_tokens for seq in batch.seqs)
             for seq in batch.seqs:
                 seq.num_cached_tokens = seq.num_tokens   # 这次前向把它的全部 token 都写进池子了
             self._account(stats, sched, batch.is_prefill)

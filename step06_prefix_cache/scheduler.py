@@ -7,7 +7,7 @@
 3. 同一批里已经有人要算同一块（它要算的第一块和别人要算的第一块 key 相同）时，它等下一步：那时那一块已经写好、
    登记了，它直接命中，而不是在同一次前向里把同样的 K/V 再算一遍（SGLang 叫 in-batch prefix caching）。
 
-每次前向之后，引擎调用 cache_computed_blocks：刚写满的块（提示词的，以及 decode 中写满的）登记进缓存。
+每一步开始时（以及请求结束、还块之前），把上一次前向刚写满的块（提示词的，以及 decode 中写满的）登记进缓存。
 """
 from .block_pool import PrefixCachingBlockAllocator
 from .sequence import Sequence
@@ -17,6 +17,17 @@ from step05_paged.sequence import Status
 
 class PrefixCachingScheduler(Scheduler):
     allocator: PrefixCachingBlockAllocator
+
+    # >>> step06 新增：先登记上一步写满的块，再调度（被抢占的请求还块之前，它的块已经登记好了，之后还能命中）
+    def schedule(self):
+        for seq in self.running:
+            self.cache_computed_blocks(seq)
+        return super().schedule()
+
+    def finish(self, seq: Sequence) -> None:
+        self.cache_computed_blocks(seq)
+        super().finish(seq)
+    # <<<
 
     # >>> step06 新增：接纳时先查缓存（替换 step05 的 _admit）
     def _admit(self) -> list[Sequence]:
