@@ -220,3 +220,183 @@ def test_radix_tree_matches_brute_force_longest_common_prefix(seqs, capacity):
         path = path + node.tokens
         assert any(tuple(x[:len(path)]) == path for x in inserted) or not path
         stack.extend((c, path) for c in node.children.values())
+
+
+# ---------- 引擎（随机小模型）：与 step03 / step05 逐 token 一致，命中数手算 ----------
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from common.compare import MARGIN_TOL, compare  # noqa: E402
+from conftest import run_py  # noqa: E402
+from step02_sampling.sampler import SamplingParams  # noqa: E402
+from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
+from step03_kvcache_single.engine import forward as forward_single  # noqa: E402
+from step03_kvcache_single.engine import generate as generate_single  # noqa: E402
+from step04_static_batching.request import Request  # noqa: E402
+from step05_paged.engine import PagedEngine  # noqa: E402
+from step06_prefix_cache.engine import PrefixCachingEngine  # noqa: E402
+from step06_prefix_cache.workload import parallel_samples  # noqa: E402
+
+TOL = MARGIN_TOL[torch.float32]
+
+
+def assert_equal_to_step03(model, requests, outputs, eos_ids):
+    def logits_fn(ids):
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+    for i, (r, got) in enumerate(zip(requests, outputs)):
+        ref = generate_single(model, r.prompt_ids, r.max_new_tokens, r.params, eos_ids, r.ignore_eos)
+        c = compare(f"request {i}", r.prompt_ids, ref, got, logits_fn, TOL)
+        assert c.ok, c.describe()
+
+
+def assert_idle(engine):
+    a = engine.allocator
+    assert not any(a.ref_counts) and a.num_free == a.num_blocks and set(a.evictable) == set(a.cached)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """只测账目、与架构无关的测试用一个 llama 小模型就够了（tiny 夹具会把测试跑三遍）。"""
+    from conftest import make_tiny_model_dir
+    from common.weights import load_model
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("llama6"), "llama"), "cpu", torch.float32)
+
+
+def test_shared_prefix_hits_by_hand_and_outputs_equal_step03(tiny):
+    """块大小 4，共同前缀 10 个 token：第一个请求全算；之后的请求命中 2 块 = 8 个 token。
+    第 2、3 个请求与第 1 个同一批到达：第一步只接纳第 1 个（它们要算的第一块与它相同），下一步再命中。"""
+    prefix = list(range(10, 20))
+    reqs = [Request(prefix + [30 + i, 40 + i], 6, SamplingParams(temperature=0.9, seed=i) if i % 2 else SamplingParams(),
+                    ignore_eos=True) for i in range(4)]
+    engine = PrefixCachingEngine(tiny.model, num_blocks=32, block_size=4, max_batch_size=4)
+    outputs, st = engine.generate(reqs, eos_ids=[1])
+    assert st.cached_tokens == [0, 8, 8, 8]
+    assert st.prefill_tokens == 12 + 3 * 4 and st.prefill_steps == 2
+    assert st.hit_rate == pytest.approx(24 / 48)
+    assert_equal_to_step03(tiny.model, reqs, outputs, [1])
+    assert_idle(engine)
+
+
+def test_hit_block_kv_equals_fresh_prefill(tiny):
+    """命中的块里存的 K/V（由别的请求、在别的批里写出）与这个提示词单独 prefill 写出的相同（浮点末位以内）。"""
+    bs, prompt = 4, list(range(50, 63))
+    engine = PrefixCachingEngine(tiny.model, num_blocks=16, block_size=bs, max_batch_size=2)
+    engine.generate([Request(prompt[:9] + [7, 7, 7], 3), Request(prompt[:12] + [9], 2)])
+    blocks = engine.allocator.longest_cached_prefix(prompt, (len(prompt) - 1) // bs).blocks
+    assert len(blocks) == 3
+    dense = PreallocKVCache(tiny.cfg, len(prompt), "cpu", torch.float32)
+    with torch.inference_mode():
+        forward_single(tiny.model, dense, prompt, start=0)
+    for i, b in enumerate(blocks):
+        fresh = dense.kv[:, :, 0, :, i * bs:(i + 1) * bs]            # (layers, 2, H_kv, block_size, D)
+        torch.testing.assert_close(engine.cache.pool[:, :, b], fresh, rtol=1e-5, atol=1e-6)
+
+
+def test_forced_hash_collisions_change_hits_not_outputs(llama):
+    """所有块同一个 key：几乎什么都命中不了，但输出与 step05 完全相同——碰撞只会变成未命中。"""
+    rng = random.Random(3)
+    prefix = [rng.randrange(2, 256) for _ in range(9)]
+    reqs = [Request(prefix + [rng.randrange(2, 256) for _ in range(rng.randint(1, 6))], 8, ignore_eos=True)
+            for _ in range(6)]
+    ref, _ = PagedEngine(llama, 40, 4, 6).generate(reqs)
+    good = PrefixCachingEngine(llama, 40, 4, 6)
+    bad = PrefixCachingEngine(llama, 40, 4, 6, hash_fn=lambda parent, tokens: 0)
+    out_good, st_good = good.generate(reqs)
+    out_bad, st_bad = bad.generate(reqs)
+    assert out_good == ref and out_bad == ref
+    assert sum(st_good.cached_tokens) == 5 * 8 and sum(st_bad.cached_tokens) <= 5 * 4   # 冲突下最多命中第 0 块
+    assert bad.allocator.num_cached_blocks == 1
+    assert_idle(good), assert_idle(bad)
+
+
+def test_no_prefix_cache_is_step05_exactly(llama):
+    """--no-prefix-cache：同样的输出、同样的前向次数与抢占次数，cached_tokens 全为 0。"""
+    rng = random.Random(4)
+    prefix = [rng.randrange(2, 256) for _ in range(14)]
+    reqs = [Request(prefix + [rng.randrange(2, 256) for _ in range(rng.randint(1, 8))], rng.randint(4, 16),
+                    SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams(), ignore_eos=True)
+            for i in range(8)]
+    out5, st5 = PagedEngine(llama, 14, 4, 8).generate(reqs)
+    out6, st6 = PrefixCachingEngine(llama, 14, 4, 8, prefix_caching=False).generate(reqs)
+    assert out6 == out5 and (st6.steps, st6.preemptions, st6.prefill_tokens) == (st5.steps, st5.preemptions,
+                                                                                  st5.prefill_tokens)
+    assert st5.preemptions > 0 and st6.cached_tokens == [0] * 8 and st6.kv_waste == pytest.approx(st5.kv_waste)
+
+
+def test_parallel_samples_share_prompt_blocks(llama):
+    """--n 3：三个样本（种子 7、8、9）与分别单独生成相同；第 2、3 个样本命中提示词的全部整块（最后一个 token 要算）。"""
+    r = Request(list(range(20, 33)), 10, SamplingParams(temperature=1.0, seed=7), ignore_eos=True)
+    samples = parallel_samples(r, 3)
+    assert [q.params.seed for q in samples] == [7, 8, 9]
+    engine = PrefixCachingEngine(llama, 20, 4, 3)
+    outputs, st = engine.generate(samples)
+    assert st.cached_tokens == [0, 12, 12] and len({tuple(o) for o in outputs}) > 1
+    assert_equal_to_step03(llama, samples, outputs, [])
+    assert_idle(engine)
+
+
+def test_kv_waste_counts_shared_blocks_once(llama):
+    """块大小 4：两个请求共享 2 个满块（8 个 token），各自一个半块。step05 的记法会把共享块数两遍。
+    第二步（第 2 个请求 prefill）后：物理块 2 + 1 + 1 = 4 块 16 槽，存着 8 + 2 + 3 = 13 个 token。"""
+    prefix = list(range(60, 68))
+    engine = PrefixCachingEngine(llama, 10, 4, 2)
+    _, st = engine.generate([Request(prefix + [1, 2], 1, ignore_eos=True), Request(prefix + [3, 4, 5], 1, ignore_eos=True)])
+    # 第 1 步：只有第 1 个请求（3 块 12 槽，10 个 token）；它生成 1 个 token 就结束、还块；第 2 步：第 2 个请求命中 2 块
+    assert st.steps == 2 and st.cached_tokens == [0, 8]
+    assert (st.allocated_slot_steps, st.used_slot_steps) == (12 + 12, 10 + 11)
+
+
+def test_cache_survives_between_generate_calls(llama):
+    """多轮对话：第二次调用的提示词 = 第一次的提示词 + 回复 + 新问题，命中包括第一次 decode 时写满的块。"""
+    engine = PrefixCachingEngine(llama, 30, 4, 2)
+    p1 = list(range(100, 107))                                  # 7 个 token
+    (out1,), _ = engine.generate([Request(p1, 9, ignore_eos=True)])
+    p2 = p1 + out1 + [5, 6, 7]                                  # 第一次写进缓存的是 p1 + out1[:-1] = 15 个 token
+    (out2,), st = engine.generate([Request(p2, 4, ignore_eos=True)])
+    assert st.cached_tokens == [12]                             # 15 个 token 里的 3 个满块，其中 2 块是 decode 时写满的
+    assert_equal_to_step03(llama, [Request(p2, 4, ignore_eos=True)], [out2], [])
+
+
+def test_soak_shared_prefixes_tiny_pool_equals_step03(tiny):
+    """随机负载：几组共享前缀 + 随机后缀、贪心 / 带种子采样 / 并行采样混在一起，池子只比最大的请求多一点：
+    驱逐、抢占都会发生；每个输出都等于 step03 单独生成，结束后引用计数全为 0。"""
+    rng = random.Random(2025)
+    prefixes = [[rng.randrange(2, 256) for _ in range(rng.randint(4, 20))] for _ in range(4)]
+    requests = []
+    for i in range(50):
+        params = SamplingParams(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 20]), seed=i) \
+            if rng.random() < 0.4 else SamplingParams()
+        r = Request(rng.choice(prefixes) + [rng.randrange(2, 256) for _ in range(rng.randint(0, 8))],
+                    rng.randint(1, 16), params, ignore_eos=rng.random() < 0.5)
+        requests += parallel_samples(r, 2) if i % 10 == 0 else [r]
+    engine = PrefixCachingEngine(tiny.model, num_blocks=14, block_size=4, max_batch_size=12)   # 最大的请求要 11 块
+    outputs, st = engine.generate(requests, eos_ids=[1])
+    assert st.preemptions > 0 and st.evictions > 0 and sum(st.cached_tokens) > 0
+    assert_equal_to_step03(tiny.model, requests, outputs, [1])
+    assert_idle(engine)
+
+
+# ---------- 命令行（真实模型） ----------
+
+def test_run_py_n_samples(real):
+    """--n 2 --json：结果按提示词排列、带 cached_tokens；第二个样本命中提示词的整块；每个样本等于 step03 用种子
+    5、6 单独生成（--no-prefix-cache 的等价性在 test_no_prefix_cache_is_step05_exactly 里测）。"""
+    args = ["--prompt", "Write a haiku about the sea.", "--chat", "--n", "2", "--temperature", "0.8", "--seed", "5",
+            "--max-new-tokens", "8", "--ignore-eos", "--block-size", "4", "--json"]
+    r = run_py("step06_prefix_cache", *args)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    ids = real.encode("Write a haiku about the sea.", chat=True)
+    assert [x["prompt_ids"] for x in res] == [ids, ids]
+    assert [x["cached_tokens"] for x in res] == [0, (len(ids) - 1) // 4 * 4]
+    for k, x in enumerate(res):
+        ref = generate_single(real.model, ids, 8, SamplingParams(temperature=0.8, seed=5 + k), real.tok.eos_ids,
+                              ignore_eos=True)
+        assert x["output_ids"] == ref
+
+
+def test_run_py_bad_n_is_a_user_error():
+    r = run_py("step06_prefix_cache", "--prompt", "hi", "--n", "0")
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
