@@ -164,18 +164,21 @@ def test_pool_invariants_and_hits_hold_the_right_kv(hash_fn, num_blocks, block_s
 # ---------- 基数树 ----------
 
 def test_radix_tree_by_hand_this_is_the_end():
-    """块大小 4 的例子 "|This is the||end.|"：用词当 token。"""
-    this, is_, the, end, dot, bang = 11, 12, 13, 14, 15, 16
-    t = RadixTree(capacity_tokens=10)
-    assert t.insert([this, is_, the, end, dot]) == 5
-    m = t.match_prefix([this, is_, the, end, bang])
-    assert m.length == 4 and m.node.tokens == (this, is_, the, end)   # 在边的中间分开：分裂出一个节点
-    assert t.insert([this, is_, the, end, bang]) == 1 and t.num_nodes() == 3 and t.size == 6
-    # 块粒度（4）只能用 1 块 = 4 个 token；基数树同样 4 个，但下一个请求少算的是 token，而不是整块
-    assert t.match_prefix([this, is_, the]).length == 3
-    # 容量 10：再放 6 个 token 要腾出 2 个——最久没访问的叶子先走（dot，然后 bang）；公共前缀还在
-    assert t.insert([1, 2, 3, 4, 5, 6]) == 6 and t.size == 10 and t.num_evicted_tokens == 2
-    assert t.match_prefix([this, is_, the, end, dot]).length == 4
+    """第 06 章的例子，块大小 4、用词当 token：A = "<s> This is the end ." 切成 "|<s> This is the||end .|"。
+    B = "<s> This is the end !" 与 A 共享 5 个 token；A 的第二块没写满（写满了也是 "end ." ≠ "end !"），
+    块缓存只能用第一块的 4 个 token，基数树能用到 5 个。"""
+    bos, this, is_, the, end, dot, bang = 0, 11, 12, 13, 14, 15, 16
+    t = RadixTree(capacity_tokens=12)
+    assert t.insert([bos, this, is_, the, end, dot]) == 6
+    m = t.match_prefix([bos, this, is_, the, end, bang])
+    assert m.length == 5 and m.node.tokens == (bos, this, is_, the, end)   # 在边的中间分开：分裂出一个节点
+    pool = PrefixCachingBlockAllocator(4, block_size=4)
+    cache_sequence(pool, [bos, this, is_, the, end, dot])
+    assert len(pool.longest_cached_prefix([bos, this, is_, the, end, bang], max_blocks=1).blocks) * 4 == 4
+    assert t.insert([bos, this, is_, the, end, bang]) == 1 and t.num_nodes() == 3 and t.size == 7
+    # 容量 12：再放 7 个 token 要腾出 2 个——最久没访问的叶子先走（dot，然后 bang）；公共前缀还在
+    assert t.insert([1, 2, 3, 4, 5, 6, 7]) == 7 and t.size == 12 and t.num_evicted_tokens == 2
+    assert t.match_prefix([bos, this, is_, the, end, dot]).length == 5
 
 
 def test_radix_tree_locked_path_is_not_evicted():
