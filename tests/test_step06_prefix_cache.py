@@ -33,6 +33,9 @@ def test_hash_chain_and_lookup_by_hand():
     k1 = chain_hash(k0, (5, 6, 7, 8))
     assert pool.cached[a[0]].key == k0 and pool.cached[a[1]].key == k1 and a[2] not in pool.cached
     assert pool.key_to_block == {k0: a[0], k1: a[1]}
+    # key 代表整段前缀：同样的 4 个 token 接在别的前缀后面（或在位置 0），key 都不同
+    b = cache_sequence(pool, [9, 9, 9, 9, 5, 6, 7, 8])
+    assert b[1] in pool.cached and len({pool.cached[a[1]].key, pool.cached[b[1]].key, chain_hash(None, (5, 6, 7, 8))}) == 3
     # 同样的前缀、更长的请求：两块都命中，后面没有满块了
     m = pool.longest_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9], max_blocks=2)
     assert m.blocks == a[:2] and m.next_key is None
