@@ -61,7 +61,7 @@ class PrefixCachingEngine(PagedEngine):
         # >>> step06 新增：带缓存的调度器 / 请求状态；记下驱逐计数的起点（块池在多次调用之间共用）
         scheduler_cls = PrefixCachingScheduler if self.prefix_caching else Scheduler
         sched = scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
-        evictions0 = getattr(self.allocator, "num_evictions", 0)
+        evictions0 = self._num_evictions()
         stats = PrefixStats(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
         # <<<
         seqs = [Sequence(r, make_generator(r.params.seed, self.model.device)) for r in requests]
@@ -93,10 +93,13 @@ class PrefixCachingEngine(PagedEngine):
                         for s in seqs if len(s.output_ids) > 1]
         stats.preempted = [s.num_preemptions for s in seqs]
         stats.cached_tokens = [s.cached_tokens or 0 for s in seqs]                        # >>> step06 新增
-        stats.evictions = getattr(self.allocator, "num_evictions", 0) - evictions0        # >>> step06 新增
+        stats.evictions = self._num_evictions() - evictions0                               # >>> step06 新增
         if any(s.status is not Status.FINISHED for s in seqs):
             raise RuntimeError("scheduler stopped with unfinished requests")
         return PrefixOutput([s.output_ids for s in seqs], stats)
+
+    def _num_evictions(self) -> int:
+        return self.allocator.num_evictions if self.prefix_caching else 0
 
     # >>> step06 修改：按物理块记账——几个请求共享的块只算一次，它存着的 token 也只算一次
     def _account(self, stats: EngineStats, sched: Scheduler, is_prefill: bool) -> None:

@@ -65,7 +65,7 @@ def pool_is_idle(engine) -> bool:
     return not any(a.ref_counts) and a.num_free == a.num_blocks
 
 
-def row(name, st, hit_rate, preemptions=True, evictions="-"):
+def row(name, st, hit_rate, evictions="-"):
     return [name, st.prefill_tokens, hit_rate, st.steps, f"{st.wall_s:.1f}", f"{st.tokens_per_s:.1f}",
             f"{percentile(st.ttft_s, .5):.2f}", f"{percentile(st.ttft_s, .9):.2f}",
             f"{percentile(st.tpot_s, .5) * 1e3:.0f}" if st.tpot_s else "-", f"{st.kv_waste:.1%}",

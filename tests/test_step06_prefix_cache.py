@@ -344,14 +344,16 @@ def test_parallel_samples_share_prompt_blocks(llama):
 
 
 def test_kv_waste_counts_shared_blocks_once(llama):
-    """块大小 4：两个请求共享 2 个满块（8 个 token），各自一个半块。step05 的记法会把共享块数两遍。
-    第二步（第 2 个请求 prefill）后：物理块 2 + 1 + 1 = 4 块 16 槽，存着 8 + 2 + 3 = 13 个 token。"""
+    """块大小 4：A（10 个 token）与 B（11 个）共享 2 个满块，各生成 2 个 token。
+    第 1 步：只 prefill A（B 要算的第一块 A 也要算，等一步）：3 块 12 槽，10 个 token。
+    第 2 步：prefill B，命中 2 块：物理块 = 共享 2 + A 的半块 + B 的半块 = 4 块 16 槽，存着 8 + 2 + 3 = 13 个 token
+    （step05 的记法会把共享块数两遍：24 槽、21 个 token）。
+    第 3 步：两个都 decode 一个 token：还是 4 块 16 槽，8 + 3 + 4 = 15 个 token。"""
     prefix = list(range(60, 68))
     engine = PrefixCachingEngine(llama, 10, 4, 2)
-    _, st = engine.generate([Request(prefix + [1, 2], 1, ignore_eos=True), Request(prefix + [3, 4, 5], 1, ignore_eos=True)])
-    # 第 1 步：只有第 1 个请求（3 块 12 槽，10 个 token）；它生成 1 个 token 就结束、还块；第 2 步：第 2 个请求命中 2 块
-    assert st.steps == 2 and st.cached_tokens == [0, 8]
-    assert (st.allocated_slot_steps, st.used_slot_steps) == (12 + 12, 10 + 11)
+    _, st = engine.generate([Request(prefix + [1, 2], 2, ignore_eos=True), Request(prefix + [3, 4, 5], 2, ignore_eos=True)])
+    assert (st.steps, st.prefill_steps) == (3, 2) and st.cached_tokens == [0, 8]
+    assert (st.allocated_slot_steps, st.used_slot_steps) == (12 + 16 + 16, 10 + 13 + 15)
 
 
 def test_cache_survives_between_generate_calls(llama):
