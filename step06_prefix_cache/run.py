@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from common import cli  # noqa: E402
 from common.bench import machine, table  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from common.prompts import LONG_PROMPT  # noqa: E402
 from step02_sampling.sampler import draw_margin, params_from_args  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
@@ -66,9 +67,10 @@ def pool_is_idle(engine) -> bool:
 
 
 def row(name, st, hit_rate, evictions="-"):
-    return [name, st.prefill_tokens, hit_rate, st.steps, f"{st.wall_s:.1f}", f"{st.tokens_per_s:.1f}",
-            f"{percentile(st.ttft_s, .5):.2f}", f"{percentile(st.ttft_s, .9):.2f}",
-            f"{percentile(st.tpot_s, .5) * 1e3:.0f}" if st.tpot_s else "-", f"{st.kv_waste:.1%}",
+    tpot = [x for x in st.tpot_s() if x is not None]
+    return [name, st.prefill_tokens, hit_rate, st.num_forwards, f"{st.wall_s:.1f}", f"{st.tokens_per_s:.1f}",
+            f"{percentile(st.first_token_s, .5):.2f}", f"{percentile(st.first_token_s, .9):.2f}",
+            f"{percentile(tpot, .5) * 1e3:.0f}" if tpot else "-", f"{st.kv_waste:.1%}",
             st.preemptions, evictions]
 
 
@@ -127,13 +129,13 @@ class Chapter:
         print(table(HEADERS, [row("step05", st5, "-"), row("step06", st6, f"{st6.hit_rate:.1%}", evictions=st6.evictions)]))
         self.figures.update({
             "prefill_tokens_saved_fraction": round(1 - st6.prefill_tokens / st5.prefill_tokens, 4),
-            "ttft_p50_ratio_vs_step05": round(percentile(st5.ttft_s, .5) / percentile(st6.ttft_s, .5), 3),
+            "ttft_p50_ratio_vs_step05": round(percentile(st5.first_token_s, .5) / percentile(st6.first_token_s, .5), 3),
             "throughput_ratio_vs_step05": round(st6.tokens_per_s / st5.tokens_per_s, 3),
             "a_hit_rate": round(st6.hit_rate, 4),
             "a_prefill_tokens_step05": st5.prefill_tokens, "a_prefill_tokens_step06": st6.prefill_tokens,
             "a_tok_per_s_step05": round(st5.tokens_per_s, 3), "a_tok_per_s_step06": round(st6.tokens_per_s, 3),
-            "a_ttft_p50_s_step05": round(percentile(st5.ttft_s, .5), 4),
-            "a_ttft_p50_s_step06": round(percentile(st6.ttft_s, .5), 4),
+            "a_ttft_p50_s_step05": round(percentile(st5.first_token_s, .5), 4),
+            "a_ttft_p50_s_step06": round(percentile(st6.first_token_s, .5), 4),
             "a_num_requests": len(reqs), "block_size": bs, "max_batch_size": B, "num_blocks": self.default_blocks,
         })
 
@@ -190,8 +192,8 @@ class Chapter:
             tot5.append(st5)
             tot6.append(st6)
             per_turn.append([t + 1, round(statistics.mean(len(r.prompt_ids) for r in reqs)), st5.prefill_tokens,
-                             st6.prefill_tokens, f"{st6.hit_rate:.1%}", f"{percentile(st5.ttft_s, .5):.2f}",
-                             f"{percentile(st6.ttft_s, .5):.2f}"])
+                             st6.prefill_tokens, f"{st6.hit_rate:.1%}", f"{percentile(st5.first_token_s, .5):.2f}",
+                             f"{percentile(st6.first_token_s, .5):.2f}"])
             if t + 1 < n_turns:                          # 下一轮：历史用 step05 的回复（与 step06 逐 token 相同）
                 turns = [next_turn(s.tok, c, out) for c, out in zip(convs, o5)]
                 for (ids, retok), c in zip(turns, computed[-len(convs):]):
@@ -271,7 +273,7 @@ class Chapter:
             st6.cached_tokens[j] == block_aligned(len(reqs[j].prompt_ids), len(reqs[j].prompt_ids), bs) for j in pairs)
         # --no-prefix-cache：走 step06 的引擎，但用回 step05 的分配器和调度器
         on, stn = self.step06(blocks, B, prefix_caching=False).generate(reqs, self.eos)
-        self.checks["no_prefix_cache_equals_step05"] = on == o5 and stn.steps == st5.steps and not any(stn.cached_tokens)
+        self.checks["no_prefix_cache_equals_step05"] = on == o5 and stn.num_forwards == st5.num_forwards and not any(stn.cached_tokens)
         print(f"\n(c) 小池子 {blocks} 块（{blocks * bs} 个槽）")
         print(table(HEADERS, [row("step05", st5, "-"), row("step06", st6, f"{st6.hit_rate:.1%}", evictions=st6.evictions),
                               row("step06 --no-prefix-cache", stn, "-")]))
@@ -294,10 +296,10 @@ class Chapter:
         for L in lengths:
             prefix = base[:L]
             t5 = statistics.median(PagedEngine(s.model, self.default_blocks, bs, 1).generate(
-                [Request(prefix + question[k + 1], 1)]).stats.ttft_s[0] for k in range(reps))
+                [Request(prefix + question[k + 1], 1)]).stats.first_token_s[0] for k in range(reps))
             e6 = self.step06(self.default_blocks, 1)
             e6.generate([Request(prefix + question[0], 1)])
-            t6 = statistics.median(e6.generate([Request(prefix + question[k + 1], 1)]).stats.ttft_s[0] for k in range(reps))
+            t6 = statistics.median(e6.generate([Request(prefix + question[k + 1], 1)]).stats.first_token_s[0] for k in range(reps))
             rows.append([L, f"{t5 * 1e3:.0f}", f"{t6 * 1e3:.0f}", f"{t5 / t6:.1f}"])
             xs.append(L)
             y5.append(t5 * 1e3)
@@ -342,29 +344,32 @@ def plot(path, xs, y5, y6) -> None:
 
 
 def main(args) -> bool:
+    params = params_from_args(args)
+    stop = tuple(args.stop or ())
+    if any(not t for t in stop):
+        raise UserError("--stop must not be empty")
     s = cli.load_session(args)
     if args.prompt is None:
         return Chapter(args, s).run()
-    params = params_from_args(args)
     num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # --n K：每个提示词 K 个请求，结果按提示词排列（同一提示词的 K 个样本相邻）
-    requests = [q for ids in prompt_ids for q in parallel_samples(Request(ids, args.max_new_tokens, params,
-                                                                          args.ignore_eos), args.n)]
+    requests = [q for ids in prompt_ids
+                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     engine = PrefixCachingEngine(s.model, num_blocks, args.block_size, args.max_batch_size,
                                  prefix_caching=not args.no_prefix_cache)
     engine.check_fits(requests)
-    outputs, st = engine.generate(requests, s.tok.eos_ids)
+    outputs, st = engine.generate(requests, s.tok.eos_ids, s.tok)
     cli.print_generations(s, prompts, outputs)
-    print(f"\n池子 {num_blocks} 块 × {args.block_size} token；{st.steps} 次前向（prefill {st.prefill_steps}，"
+    print(f"\n池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向（prefill {st.prefill_steps}，"
           f"decode {st.decode_steps}），prefill 算了 {st.prefill_tokens} 个 token，命中率 {st.hit_rate:.1%}，"
           f"抢占 {st.preemptions} 次，驱逐 {st.evictions} 块，峰值并发 {st.peak_running}，KV 浪费 {st.kv_waste:.1%}")
     if args.json:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
         for res, cached in zip(out["results"], st.cached_tokens):
             res["cached_tokens"] = cached
-        out["stats"] = {"num_blocks": num_blocks, "block_size": args.block_size, "steps": st.steps,
+        out["stats"] = {"num_blocks": num_blocks, "block_size": args.block_size, "forwards": st.num_forwards,
                         "prefill_tokens": st.prefill_tokens, "hit_rate": round(st.hit_rate, 4),
                         "preemptions": st.preemptions, "evictions": st.evictions,
                         "peak_running": st.peak_running, "kv_waste": round(st.kv_waste, 4)}

@@ -18,6 +18,15 @@ from step05_paged.sequence import Status
 class PrefixCachingScheduler(Scheduler):
     allocator: PrefixCachingBlockAllocator
 
+    def __init__(self, allocator: PrefixCachingBlockAllocator, block_size: int, max_batch_size: int,
+                 max_prefill_tokens: int):
+        super().__init__(allocator, block_size, max_batch_size, max_prefill_tokens)
+        self.evictions0 = allocator.num_evictions      # 块池在多次运行之间共用：记下这次运行开始时的计数
+
+    @property
+    def num_evictions(self) -> int:
+        return self.allocator.num_evictions - self.evictions0
+
     # >>> step06 新增：先登记上一步写满的块，再调度（被抢占的请求还块之前，它的块已经登记好了，之后还能命中）
     def schedule(self):
         for seq in self.running:

@@ -5,7 +5,7 @@ from typing import Optional
 from step05_paged.sequence import Sequence as PagedSequence
 
 
-@dataclass
+@dataclass(eq=False)   # 与 step05 相同：按对象区分
 class Sequence(PagedSequence):
     # >>> step06 新增
     num_registered_blocks: int = 0        # 块表开头已经交给前缀缓存登记过（或本来就是命中得来）的满块数

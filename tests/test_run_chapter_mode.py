@@ -20,7 +20,8 @@ REQUIRED_FIGURES = {
                               "ratio_vs_hf", "roofline_fraction", "kv_bytes_per_token"},
     "step04_static_batching": {"throughput_ratio_vs_sequential", "batch_size", "prefill_padding_waste",
                                "decode_idle_waste", "kv_reserved_waste"},
-    "step05_paged": {"kv_waste", "throughput_ratio_vs_static", "preemptions", "peak_concurrency_ratio_vs_static"},
+    "step05_paged": {"kv_waste", "throughput_ratio_vs_static", "preemptions", "peak_concurrency_ratio_vs_static",
+                     "decode_gather_bytes_per_step", "decode_step_ms_ratio_vs_static"},
     "step06_prefix_cache": {"prefill_tokens_saved_fraction", "ttft_p50_ratio_vs_step05", "throughput_ratio_vs_step05",
                             "multi_turn_hit_rate", "radix_vs_block_matched_tokens_ratio", "evictions"},
 }

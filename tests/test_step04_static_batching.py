@@ -12,7 +12,7 @@ from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.engine import generate as generate_step03
 from step04_static_batching import batch
 from step04_static_batching.batch import PAD_ID, attention_mask, left_pad, positions
-from step04_static_batching.engine import generate_batch
+from step04_static_batching.engine import generate_batch, split_batches
 from step04_static_batching.request import Request
 
 # 长度差别很大的提示词与各不相同的新 token 上限（随机小模型的词表是 256）
@@ -80,30 +80,59 @@ def test_waste_accounting_hand_example(tiny):
     prefill：P = 5，15 个槽位里填充 3 + 0 + 2 = 5 个。
     decode：最长的行要 4 - 1 = 3 次 decode 前向，共 9 行·步；真正在生成的只有 (4-1) + (1-1) + (2-1) = 4，空转 5。
       （逐步数：第 1 步行 1 已结束；第 2、3 步行 1、2 已结束 → 1 + 2 + 2 = 5）
-    KV：max_len = 5 + 4 - 1 = 8，预留 3 × 8 = 24 个槽位；真实 token (2+4-1) + (5+1-1) + (3+2-1) = 14。"""
+    KV：max_len = 5 + 4 - 1 = 8，每次前向后都持有 3 × 8 = 24 个槽，共 4 次前向 → 96 槽·步。
+      每次前向后存着真实 token 的槽（提示词 + 已喂回的输出；已结束的行最后一个输出从没喂回）：
+      第 1 次 2+5+3 = 10；第 2 次 3+5+4 = 12；第 3 次 4+5+4 = 13；第 4 次 5+5+4 = 14 → 49。KV 浪费 = 1 − 49/96。"""
     reqs = [Request(list(range(2, 2 + n)), m, ignore_eos=True) for n, m in ((2, 4), (5, 1), (3, 2))]
     outputs, st = generate_batch(tiny.model, reqs, 3, eos_ids=())
     assert [len(o) for o in outputs] == [4, 1, 2]
-    assert (st.num_batches, st.num_forwards, st.generated_tokens) == (1, 4, 7)
+    assert (st.prefill_steps, st.num_forwards, st.generated_tokens) == (1, 4, 7)
     assert (st.prefill_padding_slots, st.prefill_slots) == (5, 15)
     assert (st.decode_idle_row_steps, st.decode_row_steps) == (5, 9)
-    assert (st.kv_slots_used, st.kv_slots_reserved, st.peak_kv_slots_reserved) == (14, 24, 24)
+    assert [x.kv_slots_used for x in st.steps] == [10, 12, 13, 14]
+    assert (st.kv_slot_steps_used, st.kv_slot_steps_held, st.peak_kv_slots_held) == (49, 96, 24)
     assert st.prefill_padding_waste == pytest.approx(5 / 15)
     assert st.decode_idle_waste == pytest.approx(5 / 9)
-    assert st.kv_reserved_waste == pytest.approx(1 - 14 / 24)
+    assert st.kv_waste == pytest.approx(1 - 49 / 96)
 
 
 def test_waste_accounting_two_batches_hand_example(tiny):
     """同样三个请求，--max-batch-size 2 → 批 [0, 1] 和 [2]。
-    批 1：P = 5，填充 3/10；decode 3 步 × 2 行 = 6，空转 3（行 1 三步都在陪跑）；KV 预留 2 × 8 = 16，真实 5 + 5 = 10。
-    批 2：P = 3，无填充 0/3；decode 1 步 × 1 行，空转 0；KV 预留 1 × (3 + 2 - 1) = 4，真实 4。"""
+    批 1：P = 5，填充 3/10；decode 3 步 × 2 行 = 6，空转 3（行 1 三步都在陪跑）；
+          KV 持有 2 × 8 = 16 槽 × 4 次前向，真实 7、8、9、10。
+    批 2：P = 3，无填充 0/3；decode 1 步 × 1 行，空转 0；KV 持有 1 × (3 + 2 - 1) = 4 槽 × 2 次前向，真实 3、4。"""
     reqs = [Request(list(range(2, 2 + n)), m, ignore_eos=True) for n, m in ((2, 4), (5, 1), (3, 2))]
     outputs, st = generate_batch(tiny.model, reqs, 2, eos_ids=())
     assert [len(o) for o in outputs] == [4, 1, 2]
-    assert (st.num_batches, st.num_forwards) == (2, 4 + 2)
+    assert (st.prefill_steps, st.num_forwards) == (2, 4 + 2)
     assert (st.prefill_padding_slots, st.prefill_slots) == (3, 13)
     assert (st.decode_idle_row_steps, st.decode_row_steps) == (3, 7)
-    assert (st.kv_slots_used, st.kv_slots_reserved, st.peak_kv_slots_reserved) == (14, 20, 16)
+    assert [x.kv_slots_used for x in st.steps] == [7, 8, 9, 10, 3, 4]
+    assert (st.kv_slot_steps_used, st.kv_slot_steps_held, st.peak_kv_slots_held) == (41, 72, 16)
+
+
+def test_per_request_times_are_recorded(tiny):
+    """每个请求的首 token 与结束时刻：批 2 的请求要等批 1 跑完才有首 token；TPOT 只对输出 ≥ 2 个的请求有定义。"""
+    reqs = [Request(list(range(2, 2 + n)), m, ignore_eos=True) for n, m in ((2, 4), (5, 1), (3, 2))]
+    _, st = generate_batch(tiny.model, reqs, 2, eos_ids=())
+    assert st.num_outputs == [4, 1, 2] and st.stall_s == [0.0, 0.0, 0.0]
+    assert all(0 < t <= f <= st.wall_s for t, f in zip(st.first_token_s, st.finish_s))
+    assert st.first_token_s[0] == st.first_token_s[1] < st.finish_s[0] <= st.first_token_s[2]   # 同批同一次 prefill
+    assert st.first_token_s[1] == st.finish_s[1]                                                 # 只生成 1 个
+    tpot = st.tpot_s()
+    assert tpot[1] is None and tpot[0] == pytest.approx((st.finish_s[0] - st.first_token_s[0]) / 3)
+    assert sum(x.seconds for x in st.steps) <= st.wall_s
+
+
+def test_split_batches_by_size_and_kv_budget():
+    """按到达顺序切批；给了 KV 预算时，每批预留 B × (最长提示词 + 最大 max_new − 1) 不能超出。
+    预算 40 槽：前两个 2 × (10 + 6 − 1) = 30 放得下；加第三个要 3 × (30 + 6 − 1) = 105，只好另开一批。"""
+    reqs = [Request([1] * 10, 6), Request([1] * 10, 6), Request([1] * 30, 6)]
+    assert split_batches(reqs, 8) == [range(0, 3)]
+    assert split_batches(reqs, 2) == [range(0, 2), range(2, 3)]
+    assert split_batches(reqs, 8, max_kv_slots=40) == [range(0, 2), range(2, 3)]
+    with pytest.raises(UserError, match="alone needs 35 KV slots"):
+        split_batches(reqs, 8, max_kv_slots=34)
 
 
 # ---- 与 step03 单独生成逐 token 相同 ----
@@ -198,3 +227,23 @@ def test_run_py_generation_mode_equals_step03(real):
         c = compare(res["prompt"][:20], res["prompt_ids"], ref, res["output_ids"], real.full_logits,
                     MARGIN_TOL[torch.float32])
         assert c.ok and len(res["output_ids"]) == 8, c.describe()
+
+
+def test_run_py_stop_strings_equal_step03(real):
+    """--stop 与 step02/03 同一语义：每个请求在批里被停止字符串截断的位置与 step03 单独生成相同。"""
+    texts = ["The three primary colors are", "Paris is the capital of", "def add(a, b):"]
+    stop = [",", "\n"]
+    r = run_py("step04_static_batching", *sum((["--prompt", t] for t in texts), []), "--max-new-tokens", "16",
+               *sum((["--stop", x] for x in stop), []), "--json")
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    lengths = []
+    for res in results:
+        ref = generate_step03(real.model, res["prompt_ids"], 16, SamplingParams(), real.tok.eos_ids,
+                              stop_strings=stop, tokenizer=real.tok)
+        c = compare(res["prompt"], res["prompt_ids"], ref, res["output_ids"], real.full_logits, MARGIN_TOL[torch.float32])
+        assert c.ok, c.describe()
+        lengths.append(len(ref))
+    assert min(lengths) < 16                        # 至少一个请求确实被停止字符串截断
+    r = run_py("step04_static_batching", "--prompt", "hi", "--stop", "")
+    assert r.returncode == 2 and r.stderr.startswith("error:")

@@ -326,7 +326,7 @@ def test_no_prefix_cache_is_step05_exactly(llama):
             for i in range(8)]
     out5, st5 = PagedEngine(llama, 14, 4, 8).generate(reqs)
     out6, st6 = PrefixCachingEngine(llama, 14, 4, 8, prefix_caching=False).generate(reqs)
-    assert out6 == out5 and (st6.steps, st6.preemptions, st6.prefill_tokens) == (st5.steps, st5.preemptions,
+    assert out6 == out5 and (st6.num_forwards, st6.preemptions, st6.prefill_tokens) == (st5.num_forwards, st5.preemptions,
                                                                                   st5.prefill_tokens)
     assert st5.preemptions > 0 and st6.cached_tokens == [0] * 8 and st6.kv_waste == pytest.approx(st5.kv_waste)
 
@@ -352,8 +352,8 @@ def test_kv_waste_counts_shared_blocks_once(llama):
     prefix = list(range(60, 68))
     engine = PrefixCachingEngine(llama, 10, 4, 2)
     _, st = engine.generate([Request(prefix + [1, 2], 2, ignore_eos=True), Request(prefix + [3, 4, 5], 2, ignore_eos=True)])
-    assert (st.steps, st.prefill_steps) == (3, 2) and st.cached_tokens == [0, 8]
-    assert (st.allocated_slot_steps, st.used_slot_steps) == (12 + 16 + 16, 10 + 13 + 15)
+    assert (st.num_forwards, st.prefill_steps) == (3, 2) and st.cached_tokens == [0, 8]
+    assert (st.kv_slot_steps_held, st.kv_slot_steps_used) == (12 + 16 + 16, 10 + 13 + 15)
 
 
 def test_cache_survives_between_generate_calls(llama):
