@@ -52,6 +52,11 @@ class EngineStats:
         return sum(not st.prefill for st in self.steps)
 
     @property
+    def prefill_tokens(self) -> int:
+        """prefill 前向里真正算的 token（不含填充）：step05 被抢占后的重算也在里面，step06 命中的前缀不在里面。"""
+        return sum(st.tokens for st in self.steps if st.prefill)
+
+    @property
     def generated_tokens(self) -> int:
         return sum(self.num_outputs)
 

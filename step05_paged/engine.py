@@ -54,6 +54,11 @@ class PagedOutput(NamedTuple):
 
 
 class PagedEngine:
+    # 主循环用到的几个类；step06 的子类换成带前缀缓存的版本，主循环本身不用再写一遍
+    scheduler_cls = Scheduler
+    sequence_cls = Sequence
+    stats_cls = PagedStats
+
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
         self.model = model
@@ -86,11 +91,11 @@ class PagedEngine:
         self.check_fits(requests)
         if tokenizer is None and any(r.stop for r in requests):
             raise ValueError("stop strings need a tokenizer to decode the generated text")
-        sched = Scheduler(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
-        seqs = [Sequence(r, make_generator(r.params.seed, self.model.device)) for r in requests]
+        sched = self.scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
+        seqs = [self.sequence_cls(r, make_generator(r.params.seed, self.model.device)) for r in requests]
         for seq in seqs:
             sched.add(seq)
-        stats = PagedStats()
+        stats = self.stats_cls()
         t0 = time.perf_counter()
         while sched.has_work():
             t = time.perf_counter()
@@ -101,8 +106,7 @@ class PagedEngine:
                 seq.num_cached_tokens = seq.num_tokens   # 这次前向把它的全部 token 都写进池子了
             # prefill 这一步，运行集合里其余的请求（都已经在 decode）一个 token 也没前进：它们在干等
             stalled = [seq for seq in sched.running if seq not in batch.seqs] if batch.is_prefill else []
-            held = sum(len(seq.block_table) for seq in sched.running) * self.block_size
-            used = sum(seq.num_cached_tokens for seq in sched.running)
+            held, used = self.kv_slots(sched.running)
             stats.peak_running = max(stats.peak_running, len(sched.running))
             if on_step is not None:
                 on_step(batch, list(sched.running))
@@ -125,10 +129,20 @@ class PagedEngine:
         stats.wall_s = time.perf_counter() - t0
         if any(s.status is not Status.FINISHED for s in seqs):
             raise RuntimeError("scheduler stopped with unfinished requests")
+        self.collect(stats, sched, seqs)
+        return PagedOutput([s.output_ids for s in seqs], stats)
+
+    def kv_slots(self, running: list[Sequence]) -> tuple[int, int]:
+        """运行集合为 KV 持有的槽、其中存着真实 token 的 K/V 的槽（差额只来自每个请求最后一块没写满的部分）。"""
+        held = sum(len(seq.block_table) for seq in running) * self.block_size
+        used = sum(seq.num_cached_tokens for seq in running)
+        return held, used
+
+    def collect(self, stats: PagedStats, sched: Scheduler, seqs: list[Sequence]) -> None:
+        """一次运行结束：每个请求的时刻、输出数、干等时间、被抢占次数（顺序与 requests 相同）。"""
         stats.first_token_s = [s.first_token_time for s in seqs]
         stats.finish_s = [s.finish_time for s in seqs]
         stats.num_outputs = [len(s.output_ids) for s in seqs]
         stats.stall_s = [s.stall_time for s in seqs]
         stats.preemptions = sched.num_preemptions
         stats.preempted = [s.num_preemptions for s in seqs]
-        return PagedOutput([s.output_ids for s in seqs], stats)
