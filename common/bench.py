@@ -89,25 +89,34 @@ def stamps_of(model, device, fn) -> list[float]:
 
 @dataclass
 class StepProfile:
-    """torch.profiler 看到的一步：矩阵乘花了多少秒、从 Python 发出了多少个 aten 算子。"""
-    matmul_s: float          # 每步 aten::mm / bmm / addmm / linear 类内核的自身时间（秒）
-    ops: float               # 每步顶层 aten 算子数（不含算子内部再调用的）
+    """torch.profiler 看到的一步：矩阵乘花了多少秒、发出了多少个算子（内核调用）。"""
+    matmul_s: float          # 每步 aten::mm / bmm / addmm（及 int8 权重矩阵乘）的自身时间（秒）
+    ops: float               # 每步算子数：从 Python 发出的顶层 aten 算子 + 编译好的图里调用的内核
     table: str               # 按自身时间排序的前 15 行，--profile 时打印
 
 
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm")
+COMPILED_GRAPH = "## Call CompiledFxGraph"   # torch.compile 的图在剖析器里的名字；它的子事件是图里的内核
 
 
 def profile_steps(fn, steps: int) -> StepProfile:
     """用 torch.profiler 跑 fn() steps 次，按步平均。矩阵乘是少数几个长算子，剖析器给它们的计时可信；
-    其余小算子各自被剖析器拖慢，所以调用方应该用"不开剖析器的真实一步 − 矩阵乘"估计它们的总开销。"""
+    其余小算子各自被剖析器拖慢，所以调用方应该用"不开剖析器的真实一步 − 矩阵乘"估计它们的总开销。
+    编译过的图里 inductor 生成的 C++ 内核只有在 torch._inductor.config.cpp.enable_kernel_profile = True
+    时才出现在剖析器里（bench/decode_speed.py 这样设置），否则只数得到图里的矩阵乘。"""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
     events = prof.key_averages()
     mm = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / steps / 1e6
-    calls = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")) / steps
+
+    def is_op(e):
+        if e.cpu_parent is None:
+            return e.name.startswith("aten::")
+        return e.cpu_parent.name.startswith(COMPILED_GRAPH)
+
+    calls = sum(1 for e in prof.events() if is_op(e)) / steps
     return StepProfile(mm, calls, events.table(sort_by="self_cpu_time_total", row_limit=15))
 
 
