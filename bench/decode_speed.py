@@ -62,7 +62,7 @@ def full_logits(model):
 # ---------------------------------------------------------------- 我们的引擎
 
 
-def step03_engine(name, model, cache_cls=PreallocKVCache) -> Engine:
+def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True) -> Engine:
     """step03 的 generate 原样（可换缓存类：SdpaKVCache 换注意力内核）。"""
     def run(ids, n):
         out = []
@@ -79,7 +79,8 @@ def step03_engine(name, model, cache_cls=PreallocKVCache) -> Engine:
 
     kvb = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
     weights = weight_bytes_per_step(model)
-    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kvb, True, full_logits(model), step_once)
+    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kvb, True, full_logits(model),
+                  step_once if profile else None)
 
 
 def static_engine(name, model, step, kernel=attention, exact=True) -> Engine:
@@ -199,8 +200,9 @@ def build_engines(s) -> tuple[list[Engine], list[Engine]]:
     ]
     # 对照：不改形状、直接编译今天的模型——形状每步都变，为什么慢见 docs/09 附录
     dyn = load_model(s.path, "cpu", torch.float32)
-    dyn.compile()
-    ladder.append(step03_engine("× 直接 compile step03（形状每步变）", dyn))
+    dyn.forward = torch.compile(dyn.forward)                # 只编译 forward：计时用的钩子（stamps_of）留在图外
+    # 不剖析它：换一个缓存大小再 prefill，dynamo 会把 L 也标成动态，step03 缓存里的 k.nbytes 随即编译失败
+    ladder.append(step03_engine("× 直接 compile step03（形状每步变）", dyn, profile=False))
     q = quantize_int8_(fuse_projections_(load_model(s.path, "cpu", torch.float32)))
     lossy = [static_engine("int8 权重 + compile（有损）", q, compiled_decode_step(), sdpa, exact=False)]
     return ladder, lossy
@@ -242,11 +244,17 @@ def main(args) -> bool:
     engines = ladder + lossy + list(llama.values())
 
     # 预热（含编译），顺便拿到每个引擎的 token，与第 0 级（step03）比较
-    tokens, warm = {}, {}
+    # 同时数每个引擎第一次运行时 dynamo 编译了几张图、遇到几处图断裂（静态形状：1 张、0 处）
+    from torch._dynamo.utils import counters
+    tokens, warm, graphs = {}, {}, {}
     for e in engines:
+        before = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
         t0 = time.perf_counter()
         tokens[e.name], _ = e.run(prompt, n)
         warm[e.name] = time.perf_counter() - t0
+        after = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        if after[0] > before[0]:
+            graphs[e.name] = (after[0] - before[0], after[1] - before[1])
     ref = tokens[ladder[0].name]
     checks, notes = {}, []
     for e in engines:
@@ -264,20 +272,20 @@ def main(args) -> bool:
             per_step[e.name].append(decode_seconds(e.run(prompt, n)[1]))
     bw = statistics.median(bws)
     roof = Roofline(bw)
-    ops = {}
+    profiles = {}
     with torch.inference_mode():
         for e in engines:
             if e.step_once is not None:
                 fn = e.step_once()
                 fn()
-                ops[e.name] = profile_steps(fn, 4).ops
+                profiles[e.name] = profile_steps(fn, 4)
 
     step_s = {k: statistics.median(v) for k, v in per_step.items()}
     base = "llama.cpp F32" if "F32" in llama else ladder[0].name
     print(f"\n计时结束时: {machine()}")
     print(f"decode 阶梯（N = {n}，{args.rounds} 轮中位数；每轮开头测的内存读带宽 "
           f"{' / '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s，roofline 用中位数 {bw / 1e9:.1f} GB/s）:")
-    heads = ["引擎", "token 对 step03", "ms/步", "算子/步", "读 GB/s", f"占 roofline（@ {bw / 1e9:.1f} GB/s）",
+    heads = ["引擎", "token 对 step03", "ms/步", "其中矩阵乘 ms", "算子/步", "读 GB/s", f"占 roofline（@ {bw / 1e9:.1f} GB/s）",
              "tokens/s", f"对 {base}"]
     rows = []
     for e in engines:
@@ -289,14 +297,17 @@ def main(args) -> bool:
             verdict = "❌ 不一致"
         else:
             verdict = "逐 token 相同" if tokens[e.name] == ref else "near-tie 分歧"
-        rows.append([e.name, verdict, f"{t * 1e3:.1f}", f"{ops[e.name]:.0f}" if e.name in ops else "-",
+        prof = profiles.get(e.name)
+        rows.append([e.name, verdict, f"{t * 1e3:.1f}", f"{prof.matmul_s * 1e3:.1f}" if prof else "-",
+                     f"{prof.ops:.0f}" if prof else "-",
                      f"{nbytes / t / 1e9:.1f}", f"{roof.fraction(nbytes, t):.0%}", f"{1 / t:.1f}",
                      f"{step_s[base] / t:.2f}×"])
     print(table(heads, rows))
-    slow = [f"{k.split()[0]} {v:.0f} s" for k, v in warm.items() if v > 10]
     print("读 GB/s = 每步至少要读的字节 ÷ 每步时间；字节 = 权重（common/bench.py 的 weight_bytes_per_step；"
-          "llama.cpp 为 GGUF 里全部张量）+ 注意力读的 KV（静态形状读满整个缓冲区，llama.cpp 的 KV 是 f16）。"
-          + (f"首次运行含编译：{'，'.join(slow)}。" if slow else ""))
+          "llama.cpp 为 GGUF 里全部张量）+ 注意力读的 KV（静态形状读满整个缓冲区，llama.cpp 的 KV 是 f16）；"
+          "矩阵乘 ms 与算子数来自 torch.profiler 下的 4 步（common/bench.py 的 profile_steps）。")
+    for name, (g, b) in graphs.items():
+        print(f"  · {name}：第一次生成 {n} 个 token 时 dynamo 编译了 {g} 张图，{b} 处图断裂，耗时 {warm[name]:.0f} s")
     for note in notes:
         print(f"  · {note}")
 

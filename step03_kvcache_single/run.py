@@ -12,12 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common import cli  # noqa: E402
+from common import cli, llamacpp  # noqa: E402
 from common.bench import (Roofline, machine, median_time, memory_bandwidth, profile_steps, stamps_of, table,  # noqa: E402
                           weight_bytes_per_step)
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.hf_reference import hf_greedy, hf_logits, load_hf_model  # noqa: E402
+from common.prepare import default_model_dir  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.engine import generate as generate_step02  # noqa: E402
 from step02_sampling.sampler import SamplingParams, add_sampling_args, draw_margin, params_from_args  # noqa: E402
@@ -111,8 +112,8 @@ def check_memory(s: cli.Session, checks: dict) -> dict:
     return {"kv_bytes_per_token": kvb}
 
 
-def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
-    """同一提示词、几种生成长度：step02（朴素）/ cat / 预分配 的总时间、TTFT、TPOT、复制量；再比 HF 与 roofline。"""
+def benchmark(args, s: cli.Session, hf, kvb: int, checks: dict, notes: list) -> tuple[dict, dict]:
+    """同一提示词、几种生成长度：step02（朴素）/ cat / 预分配 的总时间、TTFT、TPOT、复制量；再比 HF、llama.cpp（装了的话）与 roofline。"""
     lengths = [16, 32, 64] if args.quick else [32, 64, 128, 256]
     repeats = 3 if args.quick else 5
     bandwidth = memory_bandwidth(s.device)                                     # 先测带宽：roofline 的分母
@@ -178,13 +179,30 @@ def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
     step_bytes = sum(weights + (P + j) * kvb for j in range(1, n)) / (n - 1)         # 平均每步
     frac = roof.fraction(step_bytes, 1 / ours)
     rows = [["HF generate", f"{theirs:.1f}", "1.00×", "-"],
-            ["step03 预分配", f"{ours:.1f}", f"{ours / theirs:.2f}×", f"{frac:.0%}"],
-            ["roofline（带宽上限）", f"{1 / roof.seconds(step_bytes):.1f}",
-             f"{1 / roof.seconds(step_bytes) / theirs:.2f}×", "100%"]]
+            ["step03 预分配", f"{ours:.1f}", f"{ours / theirs:.2f}×", f"{frac:.0%}"]]
+    # llama.cpp（可选依赖，默认模型才有）：同一份权重写成的 F32 GGUF，同样的线程数、提示词、长度、贪心。
+    # --quick 不做：第一次要写 540 MB 的 GGUF，每次要加载它（CI 的章节模式要快）
+    is_default = s.path.resolve() == default_model_dir().resolve()
+    llama = None if args.quick else llamacpp.f32_decode_tok_s(s.path, ids, n, torch.get_num_threads(), repeats)
+    if llama is not None:
+        llama_tok_s, llama_tokens = llama
+        ref = generate(s.model, ids, n, greedy, ignore_eos=True)
+        c = compare("llama.cpp F32 vs step03", ids, ref, llama_tokens, s.full_logits, MARGIN_TOL[s.dtype])
+        checks["llamacpp_f32_equals_step03"] = c.ok        # token 一致，计时的比较才有意义
+        notes.append(c.describe())
+        llama_bytes = sum(weights + (P + j) * kvb / 2 for j in range(1, n)) / (n - 1)  # 它的 KV cache 是 f16
+        rows.append(["llama.cpp F32（同一份权重）", f"{llama_tok_s:.1f}", f"{llama_tok_s / theirs:.2f}×",
+                     f"{roof.fraction(llama_bytes, 1 / llama_tok_s):.0%}"])
+    rows.append(["roofline（带宽上限）", f"{1 / roof.seconds(step_bytes):.1f}",
+                 f"{1 / roof.seconds(step_bytes) / theirs:.2f}×", "100%"])
     print(f"\n单请求 decode 速度（N = {n}，decode tokens/s = (N − 1) / (总时间 − TTFT)；"
           f"roofline 用本次实测的内存读带宽 {bandwidth / 1e9:.1f} GB/s，每步读权重 {weights / 2**20:.0f} MiB + "
           f"KV 平均 {(step_bytes - weights) / 2**20:.2f} MiB）:")
     print(table(["引擎", "decode tokens/s", "对 HF", f"占 roofline（@ {bandwidth / 1e9:.1f} GB/s）"], rows))
+    if llama is None and is_default and args.quick:
+        print("（--quick：跳过与 llama.cpp 的对照——要加载 540 MB 的 F32 GGUF；完整模式或 bench/decode_speed.py 会做）")
+    elif llama is None and is_default:
+        print(f"（要同时和 llama.cpp 比，安装可选依赖：{llamacpp.INSTALL}；逐级提速与对照见 bench/decode_speed.py）")
 
     latencies |= {e: stamps_of(s.model, s.device, lambda: run(e, n)) for e in CACHES}
     figures = {"speedup_vs_prev": round(total["step02", n] / total["prealloc", n], 3), "largest_new_tokens": n,
@@ -192,6 +210,8 @@ def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
                "ratio_vs_hf": round(ours / theirs, 3), "roofline_fraction": round(frac, 4),
                "ttft_ms": round(ttft["prealloc"] * 1e3, 2), "tpot_ms": round(1e3 / ours, 2),
                "bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    if llama is not None:
+        figures |= {"llamacpp_f32_decode_tok_s": round(llama_tok_s, 3), "ratio_vs_llamacpp_f32": round(ours / llama_tok_s, 3)}
     return figures, {"prompt_len": P, "latencies": latencies}
 
 
@@ -301,7 +321,7 @@ def chapter(args, s: cli.Session) -> bool:
     hf = load_hf_model(s.path, s.device, s.dtype)
     check_tokens(args, s, hf, checks, notes)
     figures = check_memory(s, checks)
-    bench_figures, bench = benchmark(args, s, hf, figures["kv_bytes_per_token"])
+    bench_figures, bench = benchmark(args, s, hf, figures["kv_bytes_per_token"], checks, notes)
     figures |= bench_figures
     del hf
     long = long_context(args, s, figures["bandwidth_gb_s"] * 1e9)
