@@ -89,18 +89,20 @@ def test_static_cache_masks_unwritten_slots(tiny):
 
 
 def test_compiled_static_decode_equals_eager(tmp_path):
-    """torch.compile 过的静态 decode 步（fullgraph，形状不变）与 eager 生成同样的 token，换提示词不重新编译。
+    """torch.compile 过的静态 decode 步（fullgraph，形状不变）与 step03 生成同样的 token，换提示词不重新编译。
     编译要十几秒，只在一种架构上测（qwen3：qk_norm 让图里的算子最多）。"""
     from conftest import make_tiny_model_dir
     path = make_tiny_model_dir(tmp_path / "m", "qwen3")
     model = load_model(path, "cpu", torch.float32)
     fused = fuse_projections_(load_model(path, "cpu", torch.float32))  # 阶梯上编译的是融合后的模型
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    from bench.fast_decode import sdpa
     counter = CompileCounterWithBackend("inductor")                  # 真的用 inductor 编译，同时数编译次数
     step = compiled_decode_step(backend=counter)
-    for ids in (list(range(3, 12)), list(range(40, 61))):
+    for ids in (list(range(3, 12)), list(range(40, 61))):           # 与阶梯第 4 级相同：融合投影 + SDPA + 编译
         ref = generate(model, ids, 10, GREEDY, ignore_eos=True)
-        assert generate_static(fused, ids, 10, step, max_len=64) == ref
+        assert generate_static(fused, ids, 10, step, max_len=64, kernel=sdpa) == ref
     assert counter.frame_count == 1                                  # 只编译了一次
 
 
