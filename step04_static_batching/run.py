@@ -135,7 +135,7 @@ def matmul_flops(device, n: int = 1024) -> float:
 @torch.inference_mode()
 def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
     """一次 decode 前向（B 行各 1 个 token，上下文 32）的耗时随 B 的变化，以及其中线性层矩阵乘占多少；
-    与屋顶线比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
+    与 roofline 比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
     context, repeats = 32, 5 if args.quick else 10
     weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head；embedding 只按行取，不算
     weight_bytes = sum(w.numel() for w in weights) * s.dtype.itemsize
@@ -157,12 +157,12 @@ def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
                      f"{B / t / roof:.0%}", f"{t_lin * 1e3:.1f}", f"{weight_bytes / t_lin / 1e9:.1f}",
                      f"{B * flop_per_token / t_lin / 1e9:.1f}"])
     print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
-    print(f"屋顶线：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
+    print(f"roofline：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
           f"内存上限 B × {bw / weight_bytes:.1f} tokens/s；实测矩阵乘（1024² 方阵）{flops / 1e9:.0f} GFLOP/s，"
           f"每 token {flop_per_token / 1e9:.2f} GFLOP → 计算上限 {flops / flop_per_token:.0f} tokens/s（与 B 无关）。")
     print(f"一次 decode 前向 vs 批大小（上下文 {context}，取 {repeats} 次的中位数；"
           f"\"线性层\"= 只把全部线性层的矩阵乘 (B, in) x (in, out) 做一遍）：")
-    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "屋顶线上限", "达到",
+    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "roofline 上限", "达到",
                  "线性层 (ms)", "线性层读权重 GB/s", "线性层 GFLOP/s"], rows))
     return {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 1),
             **{f"decode_step_ms_b{B}": round(ms, 2) for B, ms in step_ms.items()}}

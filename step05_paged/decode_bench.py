@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
-from common.bench import machine, median_time, table, top_level_ops  # noqa: E402
+from common.bench import machine, sync, table, top_level_ops  # noqa: E402
 from common.model import attention  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step04_static_batching.engine import forward as static_forward  # noqa: E402
@@ -69,15 +70,23 @@ def as_read(fwd: PagedForward, read) -> PagedForward:
     return fwd if read is PagedForward else read(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})
 
 
-def interleaved_medians(fns: dict, repeats: int, device) -> dict:
-    """每个函数先预热一次，再轮流各跑 repeats 次，返回各自耗时的中位数（秒）。"""
+def interleaved_medians(fns: dict, repeats: int, device, cpu: bool = False) -> dict:
+    """每个函数先预热一次，再轮流各跑 repeats 次，返回各自耗时的中位数（秒）。
+    cpu=True 时另返回进程 CPU 时间的中位数：机器上别的进程抢 CPU 时，墙钟会把"排队等 CPU"也算进去，
+    CPU 时间不会（内存带宽被别人占用的影响它也去不掉）。"""
     for fn in fns.values():
         fn()
-    times = {name: [] for name in fns}
+    wall, proc = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(median_time(fn, repeats=1, warmup=0, device=device))
-    return {name: statistics.median(t) for name, t in times.items()}
+            sync(device)
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            sync(device)
+            wall[name].append(time.perf_counter() - t)
+            proc[name].append(time.process_time() - c)
+    med = {name: statistics.median(t) for name, t in wall.items()}
+    return (med, {name: statistics.median(t) for name, t in proc.items()}) if cpu else med
 
 
 CATEGORIES = ["线性层矩阵乘", "注意力（QKᵀ、softmax、PV、掩码）", "KV 写入与读取（写槽、gather、清零）",
@@ -132,14 +141,28 @@ class TwoSelectsFreshAlloc(PagedForward):
 
 
 class NoVZeroing(PagedForward):
-    """现在的写法去掉"V 清零"：看清零本身花多少（它让毒值进不了输出，见 tests）。"""
+    """现在的写法去掉尾巴的清零：看清零本身花多少（它让毒值进不了输出，见 tests）。"""
 
     def update(self, layer_idx, k, v):
-        rows = self.v_pad_rows
-        self.v_pad_rows = rows[:0]
+        rows = self.v_tail_rows
+        self.v_tail_rows = rows[:0]
         out = PagedForward.update(self, layer_idx, k, v)
-        self.v_pad_rows = rows
+        self.v_tail_rows = rows
         return out
+
+
+class ZeroAllBeyondLength(PagedForward):
+    """现在的写法，但读回之后逐 token 清零长度之外的全部 V（补齐的空块 + 尾巴），而不是只清尾巴、靠空块本身是 0。"""
+
+    def update(self, layer_idx, k, v):
+        k_all, v_all = PagedForward.update(self, layer_idx, k, v)
+        B, H_kv, S, D = v_all.shape
+        if layer_idx == 0:                   # 行号每次前向只算一次（像 plan 里那样）
+            length = self.positions[:, -1] + 1                                    # (B,)
+            beyond = (torch.arange(S)[None, :] >= length[:, None])[:, None, :].expand(B, H_kv, S)
+            self.beyond_rows = beyond.flatten().nonzero().squeeze(1)
+        v_all.view(-1, D).index_fill_(0, self.beyond_rows, 0)
+        return k_all, v_all
 
 
 class TokenExactGather(PagedForward):
@@ -193,8 +216,9 @@ class PerRowAttention(PagedForward):
 
 
 READS = {
-    "现在：K、V 一次 index_select → 每层复用的缓冲，再清零长度之外的 V": PagedForward,
-    "  同上，但不清零 V": NoVZeroing,
+    "现在：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": PagedForward,
+    "  同上，但读回后逐 token 清零长度之外的全部 V": ZeroAllBeyondLength,
+    "  同上，但不清零尾巴": NoVZeroing,
     "最初：K、V 各一次 index_select，每层新分配": TwoSelectsFreshAlloc,
     "按 token 取到最长的真实长度（高级索引 + transpose）": TokenExactGather,
     "不补齐：只拷各行自己的块，逐行注意力": PerRowAttention,
@@ -223,13 +247,13 @@ def main():
                 fns["step04：读预分配缓存的视图（不拷贝）"] = step04
             fns[name] = step05
             copied[name] = step05().gather_bytes      # 先单独跑一步：这种写法每步拷贝多少字节（也算预热）
-        medians = interleaved_medians(fns, repeats, s.device)
-    base = next(iter(medians.values()))
+        wall, proc = interleaved_medians(fns, repeats, s.device, cpu=True)
+    w0, c0 = next(iter(wall.values())), next(iter(proc.values()))
     print(f"机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
     print(f"B = {len(contexts)}，上下文 {contexts}，块大小 {args.block_size}；交替各跑 {repeats} 次取中位数")
-    print(table(["读法", "每步拷贝 (MiB)", "一次 decode 前向 (ms)", "÷ step04"],
-                [[name, f"{copied[name] / MIB:.1f}" if name in copied else "0", f"{t * 1e3:.1f}", f"{t / base:.2f}"]
-                 for name, t in medians.items()]))
+    print(table(["读法", "每步拷贝 (MiB)", "一次 decode 前向 (ms)", "÷ step04", "进程 CPU 时间 (ms)", "÷ step04"],
+                [[name, f"{copied[name] / MIB:.1f}" if name in copied else "0", f"{wall[name] * 1e3:.1f}",
+                  f"{wall[name] / w0:.2f}", f"{proc[name] * 1e3:.1f}", f"{proc[name] / c0:.2f}"] for name in fns]))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ cfg.kv_bytes_per_token 字节（全部层的 K 和 V）。PagedForward.gather_by
 真正的 PagedAttention 内核不做这次拷贝：注意力在内核里直接按块表去读池子里的块（docs/05_paged.md 第 3 节）。
 
 池子比分配器管的块多一块：最后一块是空块（null block），从不分给任何请求。块表较短的行补齐时指向它，
-这样填充读到的永远不是别人的块；读回之后，每行自己长度之外的位置（补齐的空块、最后一块还没写到的尾巴）
-K 被掩码遮住、V 清零，所以这些槽里是什么（哪怕是 NaN）都进不了输出。池子本身不记"当前这次前向"。
+这样填充读到的永远不是别人的块。每行自己长度之外的位置（补齐的空块、最后一块还没写到的尾巴）K 被掩码遮住，
+V 是 0（空块的 V 每次读之前清零，尾巴读回之后清零），所以这些槽里原来是什么（哪怕是 NaN）都进不了输出。
+池子本身不记"当前这次前向"。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -46,7 +47,7 @@ class PagedForward(KVCache):
     # 读池子用（没有任何行有已缓存的 token 时都是 None：不读）
     read_rows: Optional[torch.Tensor] = None   # (2·B·H_kv·max_blocks,) 池子一层的视图 (2·(num_blocks+1)·H_kv, block_size·D) 里要拷出的行
     read_buf: Optional[torch.Tensor] = None    # (2·B·H_kv·max_blocks, block_size·D) 拷到这里；每层复用同一块
-    v_pad_rows: Optional[torch.Tensor] = None  # 读回的 V 看成 (B·H_kv·S, D) 时，位置 ≥ 该行长度的那些行
+    v_tail_rows: Optional[torch.Tensor] = None # 读回的 V 看成 (B·H_kv·S, D) 时，各行自己最后一块里还没写到的位置
     gather_bytes: int = 0       # 读池子时拷贝的字节数（全部层累计）
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
@@ -66,8 +67,9 @@ class PagedForward(KVCache):
         self.gather_bytes += self.read_buf.nbytes
         k_all, v_all = self.read_buf.view(2, B, H_kv, -1, D)                     # 各 (B, H_kv, S, D)
         # 每行长度之外的位置：K 的分数会被掩码替换掉（不管是什么值），V 却会以"概率 0 × 值"进入 probs @ v，
-        # 而 0 × NaN = NaN。所以把这些位置的 V 清零（只写这些行，代价与填充的多少成正比）
-        v_all.view(-1, D).index_fill_(0, self.v_pad_rows, 0)
+        # 而 0 × NaN = NaN。补齐的部分读自空块，plan 已把空块的 V 清零；剩下各行最后一块里还没写到的尾巴
+        # （上一个用这块的请求留下的旧数据），在这里清零：每行最多 block_size − 1 个位置
+        v_all.view(-1, D).index_fill_(0, self.v_tail_rows, 0)
         return k_all, v_all
 
 
@@ -141,8 +143,13 @@ class PagedKVCache:
         read_rows = ((kv * (self.num_blocks + 1) + block_tables[None, :, None, :]) * self.H_kv + heads).flatten()
         #            (2, B, H_kv, max_blocks) 展平：拷出来的顺序就是 (K/V, B, H_kv, S)
         length = cached + n_new                                                    # (B,) 这次前向之后每行的长度
-        beyond = (key_pos[None, None, :] >= length[:, None, None]).expand(B, self.H_kv, S)  # (B, H_kv, S)
+        own = torch.tensor([len(seq.block_table) * bs for seq in seqs])            # (B,) 每行自己的块覆盖到哪
+        tail = (key_pos[None, :] >= length[:, None]) & (key_pos[None, :] < own[:, None])   # (B, S)
+        tail = tail[:, None, :].expand(B, self.H_kv, S)                            # (B, H_kv, S)
+        # 空块从不分给任何请求，正常情况下一直是 0；每次读之前把它的 V 再清零一遍（全部层，一块，几百 KiB），
+        # 补齐读到的 V 就一定是 0，不依赖"没人写过它"
+        self.pool[:, 1, self.null_block].zero_()
         read_buf = torch.empty(2 * B * self.H_kv * max_blocks, bs * self.D, device=dev, dtype=self.pool.dtype)
         return PagedForward(self.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
                             token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev),
-                            read_rows.to(dev), read_buf, beyond.flatten().nonzero().squeeze(1).to(dev))
+                            read_rows.to(dev), read_buf, tail.flatten().nonzero().squeeze(1).to(dev))

@@ -88,7 +88,7 @@ def chapter(args, s: cli.Session) -> bool:
     default_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, bs, s.dtype)
     small_blocks = 2 * max(blocks_needed(r, bs) for r in requests)   # 只够最大的请求放两份：一定会抢占
     prompts, max_new = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
-    workload = (f"{'--quick' if args.quick else '完整'}负载：{len(requests)} 个请求，提示词 {min(map(len, prompts))}–"
+    workload = (f"{'--quick 负载' if args.quick else '完整负载'}：{len(requests)} 个请求，提示词 {min(map(len, prompts))}–"
                 f"{max(map(len, prompts))} token，max_new_tokens {min(max_new)}–{max(max_new)}")
     print(f"{workload}；块大小 {bs}，每块 {PagedKVCache.bytes_per_block(s.cfg, bs, s.dtype) / 2**10:.0f} KiB")
 
@@ -249,20 +249,22 @@ def decode_step_comparison(args, s: cli.Session, contexts: list[int], bs: int) -
     step05（plan + 按块表 gather）。交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开（decode_bench.py）。"""
     repeats, profiled = (5, 2) if args.quick else (15, 4)
     step04, step05 = decode_step_fns(s, contexts, bs, steps=repeats + profiled + 2)
-    med = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device)
+    med, cpu = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device, cpu=True)
     m4, m5 = med["step04"], med["step05"]
     p4, p5 = profile_split(step04, profiled), profile_split(step05, profiled)
     max_blocks = max(-(-c // bs) for c in contexts)
     print(f"B = {len(contexts)}，上下文 {contexts}（负载前 {len(contexts)} 个请求的 提示词 + max_new_tokens/2；"
           f"step04 左填充到 {max(contexts)}，step05 补齐到 {max_blocks} 块）；交替各跑 {repeats} 次取中位数：")
-    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}")
+    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}"
+          f"（进程 CPU 时间：{cpu['step04'] * 1e3:.1f} 对 {cpu['step05'] * 1e3:.1f} ms，"
+          f"{cpu['step05'] / cpu['step04']:.2f}；机器忙时它比墙钟稳）")
     print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看差值和比例）：")
     print(table(["类别", "step04", "step05", "差"],
                 [[k, f"{p4[k] * 1e3:.1f}", f"{p5[k] * 1e3:.1f}", f"{(p5[k] - p4[k]) * 1e3:+.1f}"] for k in p4]))
     gather = p5[KV_IO] - p4[KV_IO]
     copied = len(contexts) * max_blocks * bs * s.cfg.kv_bytes_per_token(s.dtype.itemsize)
     print(f"step05 每步 gather 拷贝 {copied / MIB:.1f} MiB（B × max_blocks × {bs} × 每 token 字节）；"
-          f"KV 读写多出的 {gather * 1e3:.1f} ms 是 gather 和 V 清零，plan() {p5[PLAN] * 1e3:.1f} ms。")
+          f"KV 读写一类多出的 {gather * 1e3:.1f} ms 主要是 gather 和 V 清零；plan() {p5[PLAN] * 1e3:.1f} ms。")
     return {"decode_step_ms_ratio_vs_static": round(m5 / m4, 3), "decode_step_ms": round(m5 * 1e3, 2),
             "static_decode_step_ms": round(m4 * 1e3, 2), "decode_step_gather_ms": round(gather * 1e3, 2),
             "decode_step_plan_ms": round(p5[PLAN] * 1e3, 2)}

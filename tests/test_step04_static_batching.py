@@ -7,10 +7,11 @@ import torch
 
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
-from conftest import run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.engine import generate as generate_step03
 from step04_static_batching import batch
+from step04_static_batching import run as step04_run
 from step04_static_batching.batch import PAD_ID, attention_mask, left_pad, positions
 from step04_static_batching.engine import generate_batch, split_batches
 from step04_static_batching.request import Request
@@ -75,6 +76,7 @@ def test_decode_mask_and_positions_hand_example():
 
 # ---- 三种浪费的记账：对照手算 ----
 
+@one_arch
 def test_waste_accounting_hand_example(tiny):
     """提示词长 2、5、3，--ignore-eos 分别生成 4、1、2 个 token，一批（B = 3）：
     prefill：P = 5，15 个槽位里填充 3 + 0 + 2 = 5 个。
@@ -96,6 +98,7 @@ def test_waste_accounting_hand_example(tiny):
     assert st.kv_waste == pytest.approx(1 - 49 / 96)
 
 
+@one_arch
 def test_waste_accounting_two_batches_hand_example(tiny):
     """同样三个请求，--max-batch-size 2 → 批 [0, 1] 和 [2]。
     批 1：P = 5，填充 3/10；decode 3 步 × 2 行 = 6，空转 3（行 1 三步都在陪跑）；
@@ -111,6 +114,7 @@ def test_waste_accounting_two_batches_hand_example(tiny):
     assert (st.kv_slot_steps_used, st.kv_slot_steps_held, st.peak_kv_slots_held) == (41, 72, 16)
 
 
+@one_arch
 def test_per_request_times_are_recorded(tiny):
     """每个请求的首 token 与结束时刻：批 2 的请求要等批 1 跑完才有首 token；TPOT 只对输出 ≥ 2 个的请求有定义。"""
     reqs = [Request(list(range(2, 2 + n)), m, ignore_eos=True) for n, m in ((2, 4), (5, 1), (3, 2))]
@@ -137,6 +141,7 @@ def test_split_batches_by_size_and_kv_budget():
 
 # ---- 与 step03 单独生成逐 token 相同 ----
 
+@one_arch
 def test_greedy_equals_step03_with_natural_eos(tiny):
     """贪心，含逐行的 EOS：拿某个请求单独生成时的第 3 个 token 当 EOS，让至少一行在中途自然结束、继续陪跑。"""
     ps = prompts()
@@ -151,6 +156,7 @@ def test_greedy_equals_step03_with_natural_eos(tiny):
             assert c.ok, c.describe()
 
 
+@one_arch
 def test_seeded_sampling_equals_step03(tiny):
     """带种子采样：每个请求自己的种子和发生器；重复惩罚要用到每行自己的 history。逐 token 完全相同。"""
     reqs = [Request(p, m, SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.2, seed=10 + i))
@@ -160,6 +166,7 @@ def test_seeded_sampling_equals_step03(tiny):
     assert outputs == refs
 
 
+@one_arch
 def test_seed_follows_the_request_not_the_row(tiny):
     """同一个带种子的请求放在批里不同的行、和不同的邻居一起，输出都一样（随机数不在行之间共享）。"""
     ps = prompts(2)
@@ -171,6 +178,7 @@ def test_seed_follows_the_request_not_the_row(tiny):
     assert first[0] == last[-1] == step03_outputs(tiny.model, [target], ())[0]
 
 
+@one_arch
 def test_alone_equals_in_batch(tiny):
     """填充不改变输出：每个请求单独成批（没有填充）与在批里被左填充到最长时给出相同的 token。"""
     reqs = [Request(p, m, ignore_eos=True) for p, m in zip(prompts(3), MAX_NEW)]
@@ -182,6 +190,7 @@ def test_alone_equals_in_batch(tiny):
         assert c.ok, c.describe()
 
 
+@one_arch
 def test_padding_is_invisible_to_real_tokens(tiny, monkeypatch):
     """更直接：填充位置放什么 token 都不该影响输出（被遮住的 key 的权重正好是 0）。换一个 PAD_ID，结果逐位相同。"""
     reqs = [Request(p, 4, ignore_eos=True) for p in prompts(4)]
@@ -200,16 +209,22 @@ def test_padding_is_invisible_to_real_tokens(tiny, monkeypatch):
     dict(request=Request([3, 4], 511)),                          # 2 + 511 > 上下文 512
     dict(request=Request([3, 4], 4, SamplingParams(top_p=0.0))),
 ], ids=["batch0", "empty_prompt", "zero_new_tokens", "too_long", "bad_top_p"])
+@one_arch
 def test_bad_input_raises_user_error_before_any_work(tiny, bad):
+    """坏请求排在第二批（批大小 1）：要是边跑边检查，第一批早就做过前向了。这里一次前向都不许有。"""
     reqs = [Request([3, 4, 5], 4), bad.get("request", Request([6], 2))]
-    with pytest.raises(UserError):
-        generate_batch(tiny.model, reqs, bad.get("max_batch_size", 2), ())
+    forwards = []
+    handle = tiny.model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(UserError):
+            generate_batch(tiny.model, reqs, bad.get("max_batch_size", 1), ())
+    finally:
+        handle.remove()
+    assert not forwards, f"{len(forwards)} forwards ran before the error"
 
 
-def test_cli_bad_max_batch_size():
-    r = run_py("step04_static_batching", "--prompt", "hi", "--max-batch-size", "0")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+def test_cli_bad_max_batch_size(capsys):
+    assert "--max-batch-size" in cli_error(step04_run, ["--prompt", "hi", "--max-batch-size", "0"], capsys)
 
 
 # ---- 命令行生成模式：所有提示词一起跑，每个与 step03 单独生成相同 ----

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
-from conftest import run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import generate as generate_single
 from step04_static_batching.request import Request
+from step05_paged import run as step05_run
 from step05_paged.block_allocator import BlockAllocator
 from step05_paged.engine import PagedEngine
 from step05_paged.paged_cache import PagedKVCache
@@ -97,6 +98,7 @@ def seq_with(prompt_len: int, block_table: list[int]) -> Sequence:
     return s
 
 
+@one_arch
 def test_plan_by_hand(tiny):
     """块大小 4：A 有 3 个 token、块表 [3]；B 有 6 个、块表 [0, 2]。左填充到 L = 6。"""
     cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
@@ -125,6 +127,7 @@ def test_plan_by_hand(tiny):
     assert rows[0, 0, 0].tolist() == [3 * H, 4 * H] and rows[1, 1, H - 1].tolist() == [(5 + 0) * H + H - 1, (5 + 2) * H + H - 1]
 
 
+@one_arch
 def test_block_table_gather_equals_contiguous_cache(tiny):
     """同样的 K/V 分别写进分页池（块表打乱、跨块）和 step03 的 PreallocKVCache：prefill 不读池子，直接用自己的 K/V；
     之后每个 decode 步每层按块表读回的 K/V 与连续缓存完全相同（每行自己长度之内）。"""
@@ -165,6 +168,7 @@ def test_block_table_gather_equals_contiguous_cache(tiny):
 # ---------- 读路径：拷贝的字节数、空块与没写过的槽、前缀已缓存的 prefill ----------
 
 @torch.inference_mode()   # 引擎在 inference_mode 里前向（读路径的 index_select(out=) 不支持求导）
+@one_arch
 def test_gather_bytes_equal_the_formula_by_hand(tiny):
     """块大小 4；A 有 3 个 token（块表 [3]），B 有 6 个（块表 [0, 2]）。全新的 prefill 不读池子：0 字节。
     接着一个 decode 步：B = 2 行，最长的块表 2 块 → 每层 K、V 各拷 2 × H_kv × 2 块 × 4 × D 个数。
@@ -192,6 +196,7 @@ def poisoned_run(model, requests, num_blocks, value):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38], ids=["nan", "inf", "huge"])
+@one_arch
 def test_poisoned_pool_does_not_change_outputs(tiny, value):
     """池子里没被自己写过的槽放什么都不影响输出：读回后每行长度之外的位置 K 被掩码替换、V 清零
     （否则 0 × NaN = NaN）。整个池子先填满毒值，长短不一的请求（补齐的空块多）加小池子（块被别人用过再分配、
@@ -208,6 +213,7 @@ def test_poisoned_pool_does_not_change_outputs(tiny, value):
 
 
 @torch.inference_mode()   # 引擎在 inference_mode 里前向（读路径的 index_select(out=) 不支持求导）
+@one_arch
 def test_decode_logits_bitwise_equal_with_poisoned_null_block(tiny):
     """更直接：同一个 decode 步，空块里是 0 还是 NaN，logits 逐位相同（不是"差不多"）。"""
     cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
@@ -227,6 +233,7 @@ def test_decode_logits_bitwise_equal_with_poisoned_null_block(tiny):
 
 
 @torch.inference_mode()   # 引擎在 inference_mode 里前向（读路径的 index_select(out=) 不支持求导）
+@one_arch
 def test_prefill_with_a_cached_prefix_reads_the_prefix_from_the_pool(tiny):
     """step06（前缀缓存）要走的路径，现在就测：一个请求前 8 个 token 的 K/V 已经在池子里（两整块），
     这一步 prefill 剩下的 3 个；同一次前向里还有一个全新的请求。前缀行读池子（它自己的块 + 刚写进去的新 token），
@@ -302,6 +309,7 @@ def assert_equal_to_step03(model, requests, outputs, eos_ids):
         assert c.ok, c.describe()
 
 
+@one_arch
 def test_tiny_pool_forces_preemption_and_stays_token_exact(tiny):
     rng = random.Random(1)
     requests = [Request([rng.randrange(2, 256) for _ in range(rng.randint(3, 20))], 24,
@@ -315,6 +323,7 @@ def test_tiny_pool_forces_preemption_and_stays_token_exact(tiny):
     assert engine.allocator.num_free == 12 and not any(engine.allocator.ref_counts)
 
 
+@one_arch
 def test_kv_waste_accounting_by_hand(tiny):
     """提示词 5、块大小 4、生成 3 个：每步分配 2 块 = 8 槽，缓存里依次有 5、6、7 个 token → 浪费 (3+2+1)/24。"""
     engine = PagedEngine(tiny.model, num_blocks=4, block_size=4)
@@ -327,6 +336,7 @@ def test_kv_waste_accounting_by_hand(tiny):
     assert [x.gather_bytes for x in st.steps] == [0, 2 * 4 * 512, 2 * 4 * 512]
 
 
+@one_arch
 def test_request_that_exactly_fills_the_pool_runs(tiny):
     """提示词 6 + 生成 11 - 1 = 16 个 token = 正好 4 块 × 4：能跑完；再多一个 token 就开始前报错。"""
     engine = PagedEngine(tiny.model, num_blocks=4, block_size=4)
@@ -338,6 +348,7 @@ def test_request_that_exactly_fills_the_pool_runs(tiny):
     assert engine.allocator.num_free == 4
 
 
+@one_arch
 def test_soak_200_random_requests(tiny):
     """200 个随机请求（长度、输出数、EOS、贪心 / 带种子采样都随机），池子只比最大的请求多一点：
     全部跑完，每个输出都等于 step03 单独生成，池子最后全空。"""
@@ -355,6 +366,7 @@ def test_soak_200_random_requests(tiny):
     assert engine.allocator.num_free == 24 and not any(engine.allocator.ref_counts)
 
 
+@one_arch
 def test_stall_is_the_prefill_a_decoding_request_waits_for(tiny):
     """A、B 的提示词各 10 个 token，一次 prefill 最多 15 个位置：第 1 步只 prefill A；第 2 步 prefill B，
     这时 A 已经有首 token、在 decode，却一个 token 也没前进——它干等了第 2 步的全部时间。之后两个一起 decode。"""
@@ -374,6 +386,7 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+@one_arch
 def test_stop_strings_equal_step03(tiny):
     """停止字符串与 step02/03 同一语义：新生成的文本里出现任一个就停，包含补全它的那个 token。
     step04（一批和两批）、step05（含抢占）的每个请求都与 step03 单独生成逐 token 相同，且确实有请求被停止串截断。"""
@@ -397,11 +410,11 @@ def test_stop_strings_equal_step03(tiny):
 
 # ---------- 命令行（真实模型） ----------
 
-def test_run_py_num_blocks_too_small_is_a_user_error():
-    r = run_py("step05_paged", "--prompt", "Hello there", "--num-blocks", "1", "--max-new-tokens", "32")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error:") and "--num-blocks" in r.stderr and "Traceback" not in r.stderr
-    assert r.stdout == ""                               # 开始生成之前就报错
+def test_run_py_num_blocks_too_small_is_a_user_error(tiny_tok_dir, capsys):
+    line = cli_error(step05_run, ["--model", str(tiny_tok_dir), "--prompt", "Hello there", "--num-blocks", "1",
+                                  "--max-new-tokens", "32"], capsys)
+    assert "--num-blocks" in line
+    assert capsys.readouterr().out == ""                # 开始生成之前就报错
 
 
 def test_run_py_generation_mode_with_preemption_equals_step03(real):
@@ -418,6 +431,7 @@ def test_run_py_generation_mode_with_preemption_equals_step03(real):
         assert res["prompt_ids"] == ids and c.ok, c.describe()
 
 
+@one_arch
 def test_plan_rejects_block_table_that_does_not_cover_the_new_tokens(tiny):
     """调度器忘了分配块：plan 给出说清楚的错误，而不是 IndexError 或者写到别人的槽里。"""
     cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
@@ -444,6 +458,7 @@ def test_run_py_stop_strings_equal_step03(real):
 
 
 @torch.inference_mode()
+@one_arch
 def test_alternative_reads_in_decode_bench_compute_the_same_logits(tiny):
     """decode_bench.py 里比较速度的几种读法必须算的是同一个东西：池子里放随机数，同一个 decode 步，
     logits 与 step05 自己的读法在浮点容差内相同（逐行注意力的求和顺序不同，所以不要求逐位相同）。"""
