@@ -214,7 +214,7 @@ class Chapter:
 
     # ---------- [3] 预算扫描 ----------
     def sweep(self):
-        budgets = [b for b in ([16, 128] if self.args.quick else [16, 32, 64, 128, 256, 512, 1024]) if b >= self.B]
+        budgets = [b for b in (sorted({16, 64, self.budget}) if self.args.quick else [16, 32, 64, 128, 256, 512, 1024]) if b >= self.B]
         stage(f"\n[3] 预算扫描 {budgets}：同一负载，每个预算跑一次 ...")
         rows, points = [latency_row("step06", self.st6, self.long)], []
         for b in budgets:
