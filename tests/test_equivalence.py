@@ -46,34 +46,28 @@ def step04(max_batch_size):
     return run
 
 
-def step05(block_size, max_batch_size, pool: str):
+def step05(block_size, max_batch_size, pool: str, engine_cls=PagedEngine):
     """pool "roomy"：池子放得下全部请求；"tight"：只放得下最大的请求两份，一定会抢占。"""
     def run(model, requests, eos_ids):
         biggest = max(blocks_needed(r, block_size) for r in requests)
         num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
-        engine = PagedEngine(model, num_blocks, block_size, max_batch_size)
+        engine = engine_cls(model, num_blocks, block_size, max_batch_size)
         outputs, stats = engine.generate(requests, eos_ids)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
+        assert engine_cls is PagedEngine or sum(stats.cached_tokens) > 0, "step06 was meant to hit its cache"
         return outputs
     return run
 
 
-def step06(block_size, max_batch_size):
-    def run(model, requests, eos_ids):
-        num_blocks = sum(blocks_needed(r, block_size) for r in requests)
-        return PrefixCachingEngine(model, num_blocks, block_size, max_batch_size).generate(requests, eos_ids).outputs
-    return run
-
-
 def step07(budget, max_batch_size, pool: str, gap_s: float = 0.0):
-    """token 预算 budget；pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
+    """token 预算 budget，pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
     def run(model, requests, eos_ids):
         requests = [dataclasses.replace(r, arrival_s=i * gap_s) for i, r in enumerate(requests)]
         biggest = max(blocks_needed(r, 4) for r in requests)
         num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, 4) for r in requests)
-        engine = ChunkedPrefillEngine(model, num_blocks, 4, max_batch_size, budget)
-        outputs, stats = engine.generate(requests, eos_ids)
+        outputs, stats = ChunkedPrefillEngine(model, num_blocks, 4, max_batch_size, budget).generate(requests, eos_ids)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
+        assert stats.prefill_padding_slots == 0
         return outputs
     return run
 
@@ -87,14 +81,16 @@ ENGINES = [
     Engine("step04_batches_of_3", step04(max_batch_size=3)),
     Engine("step05_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy")),
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
-    Engine("step06_prefix_cache", step06(block_size=4, max_batch_size=16)),
+    Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", engine_cls=PrefixCachingEngine)),
+    Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
     Engine("step07_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight")),
     Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", gap_s=0.002)),
 ]
 
 
 def workload(seed: int, sampled: bool) -> list[Request]:
-    """8 个请求：提示词 1–40 个 token，新 token 3–24 个，一半 ignore_eos；sampled 时奇数号带种子采样。"""
+    """8 个请求：提示词 1–40 个 token（后 4 个接在前 4 个的提示词后面，step06 能命中），新 token 3–24 个，
+    一半 ignore_eos；sampled 时奇数号带种子采样。"""
     rng = random.Random(seed)
     requests = []
     for i in range(8):
@@ -103,6 +99,8 @@ def workload(seed: int, sampled: bool) -> list[Request]:
             params = SamplingParams(temperature=0.9, top_k=rng.choice([0, 40]), top_p=rng.choice([1.0, 0.9]),
                                     repetition_penalty=rng.choice([1.0, 1.2]), seed=100 + i)
         prompt = [rng.randrange(2, 256) for _ in range(rng.choice([1, 3, 7, 12, 25, 40]))]
+        if i >= 4:   # 与第 i-4 个请求共享前缀（step06 命中它写满的块）
+            prompt = requests[i - 4].prompt_ids + prompt[:8]
         requests.append(Request(prompt, rng.randint(3, 24), params, ignore_eos=i % 4 == 0))
     return requests
 
