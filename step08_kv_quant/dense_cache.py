@@ -27,7 +27,6 @@ class QuantKVCache(PreallocKVCache):
         # 其余状态（length、advance、mask、溢出检查）与它相同。
         self.max_len, self.batch_size = max_len, 1
         self.length = 0
-        self.bytes_copied = 0
         self.dtype, self.block_size = dtype, block_size
         self.schemes = (k_scheme, v_scheme)
         num_blocks = -(-max_len // block_size)
@@ -68,7 +67,6 @@ class QuantKVCache(PreallocKVCache):
                 rest = seg[:, n_full * bs:]                                     # (H_kv, end % bs, D)：还没满的部分
                 self.tail[layer_idx, kv, :, :rest.shape[1]] = rest
             out.append(self._read(layer_idx, kv, end))
-        self.bytes_copied += k.nbytes + v.nbytes
         # 与 PreallocKVCache 一样不在这里推进 length：同一次前向的其余层还要写同样的位置
         return out[0], out[1]
 

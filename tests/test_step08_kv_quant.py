@@ -246,3 +246,33 @@ def test_crossover_interpolates_between_measured_lengths():
     assert crossover(rows) == pytest.approx(150.0)         # 差值 1 → -1：中点
     assert crossover(rows[:1]) is None
     assert crossover([SwapVsRecompute(n, 0, 0.1, 0.1, 1.0) for n in (1, 2, 3)]) is None
+
+
+# ---------- 实验脚本的冒烟测试 ----------
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(real, tmp_path_factory):
+    """随机小模型 + 默认模型的分词器（与 test_run_chapter_mode.py 里的同名夹具相同）：章节提示词要用它编码。"""
+    import shutil
+
+    from conftest import make_tiny_model_dir
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok8"), "llama", vocab_size=real.cfg.vocab_size,
+                               max_position_embeddings=2048, eos_token_id=sorted(real.tok.eos_ids)[0])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real.path / name).exists():
+            shutil.copy(real.path / name, path / name)
+    return path
+
+
+def test_analyze_kv_quick_runs_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
+    """在本进程里跑（省掉一次进程启动与 import）：--quick 的全部五节都走一遍，JSON 里有各节的数。"""
+    import json
+
+    from step08_kv_quant import analyze_kv
+    png = tmp_path / "mag.png"
+    args = analyze_kv.parser().parse_args(["--quick", "--json", "--plot", str(png), "--model", str(tiny_with_tokenizer)])
+    assert analyze_kv.main(args) is True
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["figures"]
+    assert {"k_outlier_ratio_median", "rel_error_k_int8_channel", "top1_int8_token_token",
+            "nll_delta_fraction_fp8_token_token", "swap_vs_recompute_time_ratio_int8_64"} <= set(figures)
+    assert png.stat().st_size > 0
