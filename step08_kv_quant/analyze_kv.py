@@ -148,6 +148,9 @@ def report_magnitudes(kv: dict, figures: dict) -> dict:
                  "K 最大的 3 个通道"], rows))
     med = {k: float(r.median()) for k, r in ratios.items()}
     print(f"离群程度的各层中位数：K（RoPE 后）{med['k']:.1f}，K（RoPE 前）{med['k_pre']:.1f}，V {med['v']:.1f}")
+    tiny = {k: float((kv[k].abs() < 2**-6).float().mean()) for k in ("k", "v")}
+    print(f"|值| < 2⁻⁶（fp8 固定 scale = 1 时落进次正规数区间）的比例：K {tiny['k'] * 100:.1f}%，V {tiny['v'] * 100:.1f}%"
+          f"（第 0 层的 V {float((kv['v'][0].abs() < 2**-6).float().mean()) * 100:.0f}%）")
     figures |= {"k_outlier_ratio_median": med["k"], "k_pre_rope_outlier_ratio_median": med["k_pre"],
                 "v_outlier_ratio_median": med["v"], "k_outlier_ratio_max": float(ratios["k"].max()),
                 "v_outlier_ratio_max": float(ratios["v"].max())}
@@ -242,6 +245,7 @@ def quality(s: cli.Session, quick: bool, figures: dict) -> None:
             divs.append((name, d))
             notes.append(d.describe(f"{label} / {name}"))
         q = pool(qs)
+        print(f"  [{label}] top-1 {q.top1_agreement:.4f}", file=sys.stderr, flush=True)   # 进度（慢）
         ratio = kv_bytes_per_token(s.cfg, k, v, BLOCK_SIZE, s.dtype) / base
         div_txt = " ".join("—" if d.position is None else f"{d.position}({d.margin:.2f})" for _, d in divs)
         rows.append([label, f"{ratio:.3f}", f"{q.top1_agreement:.4f}", f"{q.mean_abs_dlogit:.4f}",
