@@ -1,6 +1,6 @@
 # 两条命令（README 的快速开始）：
 #   make demo   从零安装并依次运行每一步的 run.py（默认 --quick；完整基准用 make demo FULL=1）
-#   make test   从零安装并运行全部测试（.ci/run 就是它）
+#   make test   从零安装并运行全部测试，最后列出最慢的 15 个（.ci/run 就是它）
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -23,7 +23,7 @@ demo: setup
 	@set -e; for s in $(STEPS); do echo "===== $$s ====="; $(PY) $$s $(QUICK); done
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=15
 
 clean-model:
 	rm -rf "$${LLM_FROM_SCRATCH_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/llm-from-scratch}"

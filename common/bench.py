@@ -60,3 +60,17 @@ def table(headers: list[str], rows: list[list]) -> str:
     lines = ["  ".join(c + " " * (w - width(c)) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def top_level_ops(fn) -> tuple[float, list[tuple[str, list, float]]]:
+    """用 torch.profiler（CPU）跑一次 fn，返回 (墙钟秒数, [(事件名, 输入形状, 秒), ...])，只列"顶层"事件：
+    不在别的算子里面被调用的算子，以及 record_function 标出的范围（它的时间包括范围内的 Python）。
+    顶层事件的时间加起来与墙钟之差，就是算子之间的 Python 与调度开销。剖析器本身会让每个算子慢一点，
+    所以这里的数字用来看"时间花在哪"，总时间以不开剖析器的计时为准。"""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t
+    ops = [(ev.name, ev.input_shapes, ev.cpu_time_total / 1e6) for ev in prof.events() if ev.cpu_parent is None]
+    return wall, ops

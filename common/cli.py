@@ -1,4 +1,4 @@
-"""所有 run.py 共用的命令行、模型加载、错误处理与 JSON 输出（契约见 shared/notes/run-cli.md）。"""
+"""所有 run.py 共用的命令行、模型加载、错误处理与 JSON 输出（约定见 docs/00_overview.md 的"run.py 约定"）。"""
 import argparse
 import json
 import sys

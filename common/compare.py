@@ -1,4 +1,4 @@
-"""token 级比较，按 shared/notes/run-cli.md 的 "What 'equal' means"：
+"""token 级比较。规则如下（讲解见 docs/01_naive.md 与 docs/03_kvcache.md 的"相同的精确含义"）：
 
 找到两条序列第一个不同的位置；只有当参考序列在该位置的 top-2 logit 差（由参考序列的 teacher-forcing
 前向算出，而不是假设）小于容差时才接受（浮点末位不同可以让几乎打平的 argmax 翻转），之后的 token 不再比较。
@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-MARGIN_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # bf16 只有 8 位尾数，容差放宽
+MARGIN_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # 半精度末位差得多：bf16 只存 7 位尾数，fp16 10 位
 
 
 @dataclass

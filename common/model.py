@@ -20,8 +20,8 @@ from .config import ModelConfig
 
 class Linear(nn.Module):
     """与 nn.Linear 算的一样（y = x·Wᵀ + b），只是权重按 (in, out) 存放、直接算 x @ W。
-    为什么：decode 时每层都是"向量 × 矩阵"，只读权重一遍；在这些 CPU 上 MKL 对 (in, out) 布局的
-    矩阵-向量乘能跑到约 20 GB/s，而 nn.Linear 的 (out, in) 布局只有约 11 GB/s（复测脚本见 docs/01_naive.md）。
+    为什么：decode 时每层都是"向量 × 矩阵"，时间几乎全花在读权重上；开发机上 MKL 对 (in, out) 布局的
+    矩阵-向量乘比 nn.Linear 的 (out, in) 布局快（差多少随机器而变，复测脚本见 docs/01_naive.md）。
     加载时把 HF 检查点里的 (out, in) 权重转置一次（common/weights.py）。"""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -35,7 +35,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) * weight；在 float32 里算，避免 bf16 下平方和溢出/丢精度。"""
+    """x / sqrt(mean(x²) + eps) * weight；在 float32 里算：bf16 只存 7 位尾数会丢精度，fp16 的平方和会溢出。"""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

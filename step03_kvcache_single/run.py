@@ -4,6 +4,7 @@
     python step03_kvcache_single/run.py --prompt "你好" --max-new-tokens 32 [--cache cat] \\
         [--temperature 0.8 --top-p 0.9 --seed 1] [--stop "。"]                               # 生成模式
 """
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -218,29 +219,34 @@ def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
 
 
 def long_context(args, s: cli.Session, bandwidth: float) -> dict:
-    """长提示词上一直 decode 下去：缓存越长，每步要读的 K/V 越多（预分配）、要复制的越多（cat）。"""
+    """长提示词上一直 decode 下去：缓存越长，每步要读的 K/V 越多（预分配）、要复制的越多（cat）。
+    TTFT（一次几百 token 的 prefill）预热后跑 repeats 次取中位数；decode 每步的延迟来自预热之后的一次完整生成，
+    "开头 / 最后 16 步"取这 16 步的中位数（单步偶尔被别的进程打断，中位数不受影响）。"""
     n = 128 if args.quick else 1024
+    repeats = 3 if args.quick else 5
     ids = s.encode(LONG_PROMPT, False, n)
-    lat = {e: stamps_of(s.model, s.device, lambda: generate(s.model, ids, n, SamplingParams(), ignore_eos=True,
-                                                              cache=e)) for e in CACHES}
-    rows = []
-    for e, xs in lat.items():
-        first, last = xs[1:17], xs[-16:]                                      # 前 16 个与最后 16 个 decode 步
-        rows.append([e, f"{xs[0] * 1e3:.0f}", f"{sum(first) / len(first) * 1e3:.1f}",
-                     f"{sum(last) / len(last) * 1e3:.1f}"])
+
+    def run(cache, k):
+        return generate(s.model, ids, k, SamplingParams(), ignore_eos=True, cache=cache)
+
+    ttft = {e: median_time(lambda: run(e, 1), repeats=repeats, warmup=1, device=s.device) for e in CACHES}
+    lat = {e: stamps_of(s.model, s.device, lambda: run(e, n)) for e in CACHES}
+    first = {e: statistics.median(xs[1:17]) for e, xs in lat.items()}        # 前 16 个 decode 步
+    last = {e: statistics.median(xs[-16:]) for e, xs in lat.items()}         # 最后 16 个 decode 步
+    rows = [[e, f"{ttft[e] * 1e3:.0f}", f"{first[e] * 1e3:.1f}", f"{last[e] * 1e3:.1f}"] for e in CACHES]
     print(f"\n长上下文（提示词 {len(ids)} tokens，decode {n - 1} 步，新 token 的位置 {len(ids) + 1} → "
-          f"{len(ids) + n - 1}）每 token 延迟:")
-    print(table(["缓存", "TTFT = prefill (ms)", "开头 16 步平均 (ms)", "最后 16 步平均 (ms)"], rows))
+          f"{len(ids) + n - 1}）每 token 延迟（TTFT 预热后取 {repeats} 次中位数，decode 取 16 步的中位数）:")
+    print(table(["缓存", "TTFT = prefill (ms)", "开头 16 步 (ms)", "最后 16 步 (ms)"], rows))
     # prefill 与 decode 用硬件的方式完全不同：同样读一遍权重，一个做几百个 token 的计算，一个只做 1 个
-    ttft, tpot = lat["prealloc"][0], sum(lat["prealloc"][1:17]) / 16
+    t_prefill, tpot = ttft["prealloc"], first["prealloc"]
     flops, weights = prefill_flops(s.model, len(ids)), weight_bytes_per_step(s.model)
-    print(f"prefill：{len(ids)} tokens 约 {flops / 1e9:.0f} GFLOP，{ttft * 1e3:.0f} ms → {flops / ttft / 1e9:.1f} GFLOP/s，"
-          f"每读 1 字节权重做 {flops / weights:.0f} 次运算")
+    print(f"prefill：{len(ids)} tokens 约 {flops / 1e9:.0f} GFLOP，{t_prefill * 1e3:.0f} ms → "
+          f"{flops / t_prefill / 1e9:.1f} GFLOP/s，每读 1 字节权重做 {flops / weights:.0f} 次运算")
     print(f"decode ：1 token 约 {prefill_flops(s.model, 1) / 1e9:.2f} GFLOP，{tpot * 1e3:.1f} ms → "
           f"{prefill_flops(s.model, 1) / tpot / 1e9:.1f} GFLOP/s，每读 1 字节权重做 "
           f"{prefill_flops(s.model, 1) / weights:.1f} 次运算；读权重 {weights / tpot / 1e9:.1f} GB/s"
-          f"（实测内存读带宽 {bandwidth / 1e9:.1f} GB/s）")
-    return {"prompt_len": len(ids), "latencies": lat, "prefill_gflop_s": flops / ttft / 1e9}
+          f"（同一次运行实测的内存读带宽 {bandwidth / 1e9:.1f} GB/s）")
+    return {"prompt_len": len(ids), "latencies": lat, "prefill_gflop_s": flops / t_prefill / 1e9}
 
 
 def prefill_flops(model, T: int) -> float:
@@ -281,25 +287,36 @@ def profile_decode(args, s: cli.Session) -> dict:
             "matmul_share": round(mm / wall, 3), "ops_per_step": round(calls)}
 
 
+def rolling_median(xs: list[float], window: int) -> list[float]:
+    """滑动中位数（窗口居中，两端各少 window // 2 个点）：压掉单步的抖动，留下随位置变化的趋势。"""
+    return torch.tensor(xs).unfold(0, window, 1).median(-1).values.tolist()
+
+
 def save_plot(path: str, bench: dict, long: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from common.plotting import use_chinese_font
+    use_chinese_font()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     P = bench["prompt_len"]
-    names = {"step02": "step02 naive (recompute)", "cat": "KV cache: torch.cat", "prealloc": "KV cache: preallocated"}
+    names = {"step02": "step02 朴素（每步整段重算）", "cat": "KV cache：torch.cat", "prealloc": "KV cache：预分配"}
     colors = {"step02": "tab:red", "cat": "tab:orange", "prealloc": "tab:blue"}
     for e, xs in bench["latencies"].items():   # 第 0 个是 prefill（TTFT），画 decode 步
         a.plot(range(P + 1, P + len(xs)), [x * 1e3 for x in xs[1:]], label=names[e], color=colors[e])
-    a.set(title=f"per-token latency, prompt {P} tokens", xlabel="position of the new token",
-          ylabel="latency (ms)", ylim=(0, None))
+    a.set(title=f"每 token 延迟（提示词 {P} tokens）", xlabel="新 token 的位置", ylabel="延迟 (ms)", ylim=(0, None))
     a.legend()
     P = long["prompt_len"]
+    w = max(3, min(63, len(next(iter(long["latencies"].values()))) // 4) | 1)   # 完整模式 63 步，quick 31 步
     for e, xs in long["latencies"].items():
-        b.plot(range(P + 1, P + len(xs)), [x * 1e3 for x in xs[1:]], label=names[e], color=colors[e], linewidth=0.8)
-    b.set(title=f"cached decode on a long prompt ({P} tokens)", xlabel="position of the new token",
-          ylabel="latency (ms)", ylim=(0, None))
-    b.legend()
+        ms = [x * 1e3 for x in xs[1:]]
+        b.plot(range(P + 1, P + len(xs)), ms, color=colors[e], linewidth=0.5, alpha=0.25)
+        b.plot(range(P + 1 + w // 2, P + len(xs) - w // 2), rolling_median(ms, w), color=colors[e], linewidth=2,
+               label=f"{names[e]}（{w} 步滑动中位数）")
+    b.set(title=f"长提示词（{P} tokens）之后带缓存的 decode", xlabel="新 token 的位置",
+          ylabel="延迟 (ms)，淡色为每一步", ylim=(0, None))
+    b.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

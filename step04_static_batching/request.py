@@ -1,9 +1,11 @@
 """请求（要什么）与它在批里的运行状态（做到哪了）。
 
-Request 只描述用户要什么：提示词、最多生成几个 token、采样参数、是否忽略 EOS。step05 沿用同一个 Request。
-Sequence 是批里的一行（vLLM / nano-vllm 也叫 Sequence）：已生成的 token、是否已结束、它自己的随机数发生器。
+Request 只描述用户要什么：提示词、最多生成几个 token、采样参数、是否忽略 EOS、停止字符串。step05 沿用同一个 Request。
+Sequence 是批里的一行（vLLM / nano-vllm 也叫 Sequence）：已生成的 token、是否已结束、它自己的随机数发生器、
+首 token 与结束的时刻。step05 的 Sequence 继承它，再加上分页的状态（块表、已进缓存的 token 数……）。
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -17,6 +19,7 @@ class Request:
     max_new_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)   # 默认贪心
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()        # 停止字符串：新生成的文本里出现任一个就停（同 step02 / step03）
 
     def validate(self, context_len: int) -> None:
         """非法输入抛 UserError：在任何一个请求开始生成之前，先把所有请求都检查一遍。"""
@@ -27,23 +30,34 @@ class Request:
         if len(self.prompt_ids) + self.max_new_tokens > context_len:
             raise UserError(f"prompt has {len(self.prompt_ids)} tokens; with max_new_tokens {self.max_new_tokens} "
                             f"that exceeds the model's context of {context_len} tokens")
+        if any(not s for s in self.stop):
+            raise UserError("stop strings must not be empty")
         self.params.validate()
 
 
-@dataclass
+@dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两行（`in`、list.remove 按身份比较）
 class Sequence:
     request: Request
     generator: torch.Generator        # 每个请求一个，用它自己的 seed：与 step03 单独生成时消耗同一串随机数
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    # 计时（秒，相对本次运行开始；所有请求都在 0 时刻到达）：TTFT = first_token_time，
+    # TPOT = (finish_time − first_token_time) ÷ (输出数 − 1)
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
 
     @property
     def token_ids(self) -> list[int]:
         """提示词 + 已生成：采样器的 history（重复惩罚要用），与 step03 传给 sample() 的相同。"""
         return self.request.prompt_ids + self.output_ids
 
-    def append(self, token: int, eos_ids) -> None:
-        """记下一个新 token，并按这一行自己的条件判断是否结束（与 step03 相同：EOS 也算进输出）。"""
+    def append(self, token: int, eos_ids, tokenizer=None) -> bool:
+        """记下一个新 token，按这一行自己的条件判断是否结束，返回 finished。条件与 step03 相同：生成满 max_new_tokens；
+        遇到 EOS（EOS 也算进输出）；新生成的文本里出现停止字符串（包含补全它的那个 token；每步把全部新 token
+        重新解码再找，不会漏掉跨 token 的停止串）。"""
         self.output_ids.append(token)
-        hit_eos = token in eos_ids and not self.request.ignore_eos
-        self.finished = hit_eos or len(self.output_ids) == self.request.max_new_tokens
+        r = self.request
+        self.finished = (len(self.output_ids) == r.max_new_tokens
+                         or (token in eos_ids and not r.ignore_eos)
+                         or (bool(r.stop) and any(s in tokenizer.decode(self.output_ids) for s in r.stop)))
+        return self.finished

@@ -2,7 +2,7 @@
 
     python step04_static_batching/run.py [--quick] [--json] [--max-batch-size 8]          # 章节模式：检查 + 基准
     python step04_static_batching/run.py --prompt "A" --prompt "B" --max-new-tokens 16 \\
-        [--max-batch-size 8] [--temperature 0.8 --seed 1 ...]                            # 生成模式：所有提示词一起跑
+        [--max-batch-size 8] [--temperature 0.8 --seed 1 ...] [--stop "."]               # 生成模式：所有提示词一起跑
 """
 import statistics
 import sys
@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from common import cli  # noqa: E402
 from common.bench import machine, median_time, memory_bandwidth, table  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from common.model import Linear  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.sampler import SamplingParams, add_sampling_args, draw_margin, params_from_args  # noqa: E402
@@ -101,22 +102,27 @@ def check_workload(args, s: cli.Session, checks: dict, notes: list) -> dict:
 
     kv_bytes = s.cfg.kv_bytes_per_token(s.dtype.itemsize)
     mib = lambda slots: f"{slots * kv_bytes / 2**20:.1f} MiB"  # noqa: E731
-    print(f"\n三种浪费（{stats.num_batches} 批，{stats.num_forwards} 次前向；KV 每 token {kv_bytes / 1024:.1f} KiB）:")
+    wasted_kv = stats.kv_slot_steps_held - stats.kv_slot_steps_used
+    print(f"\n三种浪费（上面的混合负载，{stats.prefill_steps} 批，{stats.num_forwards} 次前向；KV 每 token "
+          f"{kv_bytes / 1024:.1f} KiB；KV 浪费按每次前向之后的槽数累加，与第 05 章同一个定义）:")
     print(table(["浪费", "浪费掉的", "总共", "比例"], [
         ["prefill 填充", f"{stats.prefill_padding_slots} 个填充槽位", f"{stats.prefill_slots} 个槽位 (B×P)",
          f"{stats.prefill_padding_waste:.1%}"],
         ["decode 空转", f"{stats.decode_idle_row_steps} 行·步", f"{stats.decode_row_steps} 行·步 (B×步数)",
          f"{stats.decode_idle_waste:.1%}"],
-        ["KV 预留", f"{stats.kv_slots_reserved - stats.kv_slots_used} 个槽位 ({mib(stats.kv_slots_reserved - stats.kv_slots_used)})",
-         f"{stats.kv_slots_reserved} 个槽位 ({mib(stats.kv_slots_reserved)})", f"{stats.kv_reserved_waste:.1%}"],
+        ["KV 浪费", f"{wasted_kv} 槽·步（空着的槽）", f"{stats.kv_slot_steps_held} 槽·步（预留的 B×max_len，每次前向）",
+         f"{stats.kv_waste:.1%}"],
     ]))
+    print(f"最大的一批预留 KV {stats.peak_kv_slots_held} 个槽（{mib(stats.peak_kv_slots_held)}），"
+          f"从这批开始一直占到这批最长的行结束。")
     tokens = stats.generated_tokens
     print(f"\n同一混合负载的时间（各只跑一次）：step03 逐个 {t_seq:.1f} s（{tokens / t_seq:.1f} tokens/s），"
           f"step04 批大小 {B} {t_batch:.1f} s（{tokens / t_batch:.1f} tokens/s），{t_seq / t_batch:.2f}×")
     return {"batch_size": B,
             "prefill_padding_waste": round(stats.prefill_padding_waste, 4),
             "decode_idle_waste": round(stats.decode_idle_waste, 4),
-            "kv_reserved_waste": round(stats.kv_reserved_waste, 4),
+            "kv_reserved_waste": round(stats.kv_waste, 4),   # 名字沿用；定义与 step05 的 kv_waste 相同
+            "kv_waste": round(stats.kv_waste, 4),
             "mixed_workload_ratio_vs_sequential": round(t_seq / t_batch, 3)}
 
 
@@ -129,7 +135,7 @@ def matmul_flops(device, n: int = 1024) -> float:
 @torch.inference_mode()
 def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
     """一次 decode 前向（B 行各 1 个 token，上下文 32）的耗时随 B 的变化，以及其中线性层矩阵乘占多少；
-    与屋顶线比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
+    与 roofline 比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
     context, repeats = 32, 5 if args.quick else 10
     weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head；embedding 只按行取，不算
     weight_bytes = sum(w.numel() for w in weights) * s.dtype.itemsize
@@ -151,12 +157,12 @@ def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
                      f"{B / t / roof:.0%}", f"{t_lin * 1e3:.1f}", f"{weight_bytes / t_lin / 1e9:.1f}",
                      f"{B * flop_per_token / t_lin / 1e9:.1f}"])
     print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
-    print(f"屋顶线：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
+    print(f"roofline：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
           f"内存上限 B × {bw / weight_bytes:.1f} tokens/s；实测矩阵乘（1024² 方阵）{flops / 1e9:.0f} GFLOP/s，"
           f"每 token {flop_per_token / 1e9:.2f} GFLOP → 计算上限 {flops / flop_per_token:.0f} tokens/s（与 B 无关）。")
     print(f"一次 decode 前向 vs 批大小（上下文 {context}，取 {repeats} 次的中位数；"
           f"\"线性层\"= 只把全部线性层的矩阵乘 (B, in) x (in, out) 做一遍）：")
-    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "屋顶线上限", "达到",
+    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "roofline 上限", "达到",
                  "线性层 (ms)", "线性层读权重 GB/s", "线性层 GFLOP/s"], rows))
     return {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 1),
             **{f"decode_step_ms_b{B}": round(ms, 2) for B, ms in step_ms.items()}}
@@ -179,7 +185,7 @@ def throughput(args, s: cli.Session, sizes: list[int]) -> dict:
         for b in sizes:
             (_, stats), t = timed(lambda: generate_batch(s.model, requests, b, s.tok.eos_ids))
             batch_times[b].append(t)
-            counts[b] = (stats.num_batches, stats.num_forwards)
+            counts[b] = (stats.prefill_steps, stats.num_forwards)
     t_seq = statistics.median(seq_times)
     rows = [["step03 逐个", "-", tokens, f"{t_seq:.2f}", f"{tokens / t_seq:.1f}", "1.00×"]]
     tok_s = {}
@@ -210,17 +216,20 @@ def chapter(args, s: cli.Session) -> bool:
 
 def main(args) -> bool:
     params = params_from_args(args)
+    stop = tuple(args.stop or ())
+    if any(not t for t in stop):
+        raise UserError("--stop must not be empty")
     s = cli.load_session(args)
     if args.prompt is None:
         return chapter(args, s)
     # 先编码、检查全部提示词，任何一个有错都在开始生成前报告
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # 每个请求各自从 params.seed 开始（同 step03 单独生成）：输出不受同批里有哪些别的请求影响
-    requests = [Request(ids, args.max_new_tokens, params, args.ignore_eos) for ids in prompt_ids]
-    outputs, stats = generate_batch(s.model, requests, args.max_batch_size, s.tok.eos_ids)
+    requests = [Request(ids, args.max_new_tokens, params, args.ignore_eos, stop) for ids in prompt_ids]
+    outputs, stats = generate_batch(s.model, requests, args.max_batch_size, s.tok.eos_ids, s.tok)
     cli.print_generations(s, args.prompt, outputs)
-    print(f"\n{stats.num_batches} 批；prefill 填充浪费 {stats.prefill_padding_waste:.1%}，"
-          f"decode 空转浪费 {stats.decode_idle_waste:.1%}，KV 预留浪费 {stats.kv_reserved_waste:.1%}")
+    print(f"\n{stats.prefill_steps} 批；prefill 填充浪费 {stats.prefill_padding_waste:.1%}，"
+          f"decode 空转浪费 {stats.decode_idle_waste:.1%}，KV 浪费 {stats.kv_waste:.1%}")
     if args.json:
         cli.emit_json(cli.generation_json(s, args.prompt, prompt_ids, outputs))
     return True
@@ -230,6 +239,8 @@ def make_parser():
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="每批最多几个请求（默认 8）")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="停止字符串（可重复）：新生成的文本里出现它就停（包含补全它的那个 token），同 step02/03")
     return p
 
 

@@ -1,26 +1,30 @@
 """step05 引擎：分页 KV cache + 连续批处理 + 重算式抢占。
 
 每一步：调度器选出这一步要算的请求（全 prefill 或全 decode）→ cache.plan 把它们排成张量、算好槽号，
-得到这次前向的 PagedForward → 把它当作 cache 传给模型，前向一次（每层经它的 update 写入新 K/V、按块表读回全部 K/V）→ 每个请求用自己的随机数发生器采样一个
-token → 结束的请求立刻把块还回去，下一步就可以接纳新请求。
+得到这次前向的 PagedForward → 把它当作 cache 传给模型，前向一次（每层经它的 update 写入新 K/V；decode 时再按块表
+读回全部 K/V）→ 每个请求用自己的随机数发生器采样一个 token → 结束的请求立刻把块还回去，下一步就可以接纳新请求。
 
 与 step03 逐 token 一致的关键：
 - 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
 - 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
   所以它消耗的随机数序列与 step03 单独生成时完全相同。
+
+记账与 step04 是同一套（step04_static_batching/stats.py）：每次前向一行 StepStats，每个请求的首 token / 结束时刻；
+另外记 gather 拷贝的字节数、prefill 时干等的 decode 请求（stall），以及抢占次数和峰值并发。
 """
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from common.errors import UserError
 from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
+from step04_static_batching.stats import EngineStats, StepStats
 from step05_paged.block_allocator import BlockAllocator
 from step05_paged.paged_cache import PagedKVCache
-from step05_paged.scheduler import Scheduler
+from step05_paged.scheduler import ScheduledBatch, Scheduler
 from step05_paged.sequence import Sequence, Status
 
 DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
@@ -37,36 +41,24 @@ def blocks_needed(r: Request, block_size: int) -> int:
 
 
 @dataclass
-class EngineStats:
-    wall_s: float = 0.0
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
+class PagedStats(EngineStats):
+    """step04 的 EngineStats（每次前向一行 + 每个请求的时刻），再加上分页与调度特有的几项。"""
     preemptions: int = 0
-    peak_running: int = 0               # 同时在运行集合里的请求数的峰值
-    allocated_slot_steps: int = 0       # Σ 每步运行集合持有的槽数
-    used_slot_steps: int = 0            # Σ 每步其中真正存着 token K/V 的槽数
-    generated_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)   # 每个请求的首 token 时间（所有请求都在 t=0 到达）
-    tpot_s: list[float] = field(default_factory=list)   # 生成 ≥ 2 个 token 的请求：(结束 − 首 token) ÷ (输出数 − 1)
-    preempted: list[int] = field(default_factory=list)  # 每个请求被抢占了几次（按请求顺序）
-
-    @property
-    def kv_waste(self) -> float:
-        """(已分配槽 − 存着真实 token 的槽) ÷ 已分配槽：每步采样一次，按槽数加权平均。"""
-        return 1 - self.used_slot_steps / self.allocated_slot_steps if self.allocated_slot_steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+    peak_running: int = 0                                  # 同时在运行集合里的请求数的峰值
+    preempted: list[int] = field(default_factory=list)     # 每个请求被抢占了几次（按请求顺序）
 
 
 class PagedOutput(NamedTuple):
     outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
-    stats: EngineStats
+    stats: PagedStats
 
 
 class PagedEngine:
+    # 主循环用到的几个类；step06 的子类换成带前缀缓存的版本，主循环本身不用再写一遍
+    scheduler_cls = Scheduler
+    sequence_cls = Sequence
+    stats_cls = PagedStats
+
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
         self.model = model
@@ -91,47 +83,66 @@ class PagedEngine:
                     f"{self.allocator.num_blocks}: raise --num-blocks or lower --max-new-tokens")
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request], eos_ids=()) -> PagedOutput:
-        """用连续批处理跑完全部请求（都在 t=0 到达）。"""
+    def generate(self, requests: list[Request], eos_ids=(), tokenizer=None,
+                 on_step: Optional[Callable[[ScheduledBatch, list[Sequence]], None]] = None) -> PagedOutput:
+        """用连续批处理跑完全部请求（都在 t=0 到达）。tokenizer：有请求带停止字符串时需要。
+        on_step(batch, running)：每次前向之后、采样之前调用一次（块表还是这次前向用的），给想逐步观察池子的人
+        （docs/notebooks/03 画池子占用）；不改变任何结果。"""
         self.check_fits(requests)
-        sched = Scheduler(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
-        seqs = [Sequence(r, make_generator(r.params.seed, self.model.device)) for r in requests]
+        if tokenizer is None and any(r.stop for r in requests):
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        sched = self.scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
+        seqs = [self.sequence_cls(r, make_generator(r.params.seed, self.model.device)) for r in requests]
         for seq in seqs:
             sched.add(seq)
-        stats = EngineStats()
+        stats = self.stats_cls()
         t0 = time.perf_counter()
         while sched.has_work():
+            t = time.perf_counter()
             batch = sched.schedule()
             fwd = self.cache.plan(batch.seqs)                    # 这次前向的地址信息（PagedForward）
             logits = self.model(fwd.input_ids, fwd.positions, fwd, last_only=True)[:, -1]  # (B, V)
             for seq in batch.seqs:
                 seq.num_cached_tokens = seq.num_tokens   # 这次前向把它的全部 token 都写进池子了
-            self._account(stats, sched, batch.is_prefill)
+            # prefill 这一步，运行集合里其余的请求（都已经在 decode）一个 token 也没前进：它们在干等
+            stalled = [seq for seq in sched.running if seq not in batch.seqs] if batch.is_prefill else []
+            held, used = self.kv_slots(sched.running)
+            stats.peak_running = max(stats.peak_running, len(sched.running))
+            if on_step is not None:
+                on_step(batch, list(sched.running))
             for row, seq in enumerate(batch.seqs):
                 # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
-                tok = sample(logits[row], seq.token_ids, seq.request.params, seq.generator)
-                now = time.perf_counter() - t0
+                seq.append(sample(logits[row], seq.token_ids, seq.request.params, seq.generator), eos_ids, tokenizer)
+            now = time.perf_counter() - t0               # 这一步的 token 一起产出
+            for seq in batch.seqs:
                 if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
                     seq.first_token_time = now
-                if seq.append(tok, eos_ids):
+                if seq.finished:
                     seq.finish_time = now
                     sched.finish(seq)                    # 立刻还块：下一步就能接纳新请求
+            seconds = time.perf_counter() - t
+            for seq in stalled:
+                seq.stall_time += seconds
+            B, L = fwd.input_ids.shape
+            stats.steps.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
+                                         fwd.gather_bytes, len(stalled)))
         stats.wall_s = time.perf_counter() - t0
-        stats.preemptions = sched.num_preemptions
-        stats.generated_tokens = sum(len(s.output_ids) for s in seqs)
-        stats.ttft_s = [s.first_token_time for s in seqs]
-        stats.tpot_s = [(s.finish_time - s.first_token_time) / (len(s.output_ids) - 1)
-                        for s in seqs if len(s.output_ids) > 1]
-        stats.preempted = [s.num_preemptions for s in seqs]
         if any(s.status is not Status.FINISHED for s in seqs):
             raise RuntimeError("scheduler stopped with unfinished requests")
+        self.collect(stats, sched, seqs)
         return PagedOutput([s.output_ids for s in seqs], stats)
 
-    def _account(self, stats: EngineStats, sched: Scheduler, is_prefill: bool) -> None:
-        """每步记一次：运行集合持有多少槽、其中多少存着真实 token 的 K/V（差额只来自每个请求最后一块没写满的部分）。"""
-        stats.steps += 1
-        stats.prefill_steps += is_prefill
-        stats.decode_steps += not is_prefill
-        stats.peak_running = max(stats.peak_running, len(sched.running))
-        stats.allocated_slot_steps += sum(len(s.block_table) for s in sched.running) * self.block_size
-        stats.used_slot_steps += sum(s.num_cached_tokens for s in sched.running)
+    def kv_slots(self, running: list[Sequence]) -> tuple[int, int]:
+        """运行集合为 KV 持有的槽、其中存着真实 token 的 K/V 的槽（差额只来自每个请求最后一块没写满的部分）。"""
+        held = sum(len(seq.block_table) for seq in running) * self.block_size
+        used = sum(seq.num_cached_tokens for seq in running)
+        return held, used
+
+    def collect(self, stats: PagedStats, sched: Scheduler, seqs: list[Sequence]) -> None:
+        """一次运行结束：每个请求的时刻、输出数、干等时间、被抢占次数（顺序与 requests 相同）。"""
+        stats.first_token_s = [s.first_token_time for s in seqs]
+        stats.finish_s = [s.finish_time for s in seqs]
+        stats.num_outputs = [len(s.output_ids) for s in seqs]
+        stats.stall_s = [s.stall_time for s in seqs]
+        stats.preemptions = sched.num_preemptions
+        stats.preempted = [s.num_preemptions for s in seqs]

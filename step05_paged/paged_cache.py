@@ -6,23 +6,32 @@
 逻辑块经块表 block_table 映射到物理块。
 
 每次前向之前，引擎调用 plan(seqs)，得到这次前向的 PagedForward：这一批请求要算的新 token 排成左填充的
-(B, L) 张量，算好 slot_mapping（每个真实新 token 的 K/V 写到哪个槽）、块表和 gather 用的行号、按位置的掩码。
+(B, L) 张量，算好 slot_mapping（每个真实新 token 的 K/V 写到哪个槽）、掩码，以及要不要读池子、读哪些行。
 引擎把它当作 cache 传给模型（common/kv_cache.py 的接口：update + mask），模型的每一层调用
-update(layer_idx, k, v)：按 slot_mapping 写入新 K/V，再按块表把每个请求的全部 K/V 取回成
-(B, H_kv, S, D)——与 step03 的连续缓存返回的形状相同，模型代码一行不改。池子本身不记"当前这次前向"。
+update(layer_idx, k, v)：
+
+  写  按 slot_mapping 把新 K/V 写进池子（每个真实 token 一次，填充不写）；
+  读  这次前向里没有任何行有已缓存的 token（全新的 prefill）：直接返回本次前向自己的 K/V，一个字节都不读池子；
+      否则（decode；step06 起还有"前缀已缓存、再 prefill 剩下部分"的行）：按块表把每行的块 gather 成连续的
+      (B, H_kv, S, D)——与 step03 的连续缓存返回的形状相同，模型代码一行不改。
+
+gather 是一次真实的拷贝，每层、每个 decode 步都要做：B × max_blocks × block_size 个槽，每槽
+cfg.kv_bytes_per_token 字节（全部层的 K 和 V）。PagedForward.gather_bytes 在拷贝发生的地方把它如实累加。
+真正的 PagedAttention 内核不做这次拷贝：注意力在内核里直接按块表去读池子里的块（docs/05_paged.md 第 3 节）。
 
 池子比分配器管的块多一块：最后一块是空块（null block），从不分给任何请求。块表较短的行补齐时指向它，
-这样填充读到的永远不是别人的块。
-
-真正的 PagedAttention 内核在注意力计算里直接按块表读块，不需要先拼成连续张量；这里用纯 PyTorch
-先 gather 再交给模型里现成的注意力，多一次拷贝，但在 CPU 和 CUDA 上是同一份代码。
+这样填充读到的永远不是别人的块。每行自己长度之外的位置（补齐的空块、最后一块还没写到的尾巴）K 被掩码遮住，
+V 是 0（空块的 V 每次读之前清零，尾巴读回之后清零），所以这些槽里原来是什么（哪怕是 NaN）都进不了输出。
+池子本身不记"当前这次前向"。
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from common.config import ModelConfig
 from common.kv_cache import KVCache
+from step04_static_batching.batch import PAD_ID, attention_mask
 
 
 @dataclass
@@ -31,25 +40,37 @@ class PagedForward(KVCache):
     pool: torch.Tensor          # (layers, 2, num_blocks + 1, H_kv, block_size, D) 整个池子（视图，不复制）
     input_ids: torch.Tensor     # (B, L)  每行是该请求还没进缓存的 token，左填充
     positions: torch.Tensor     # (B, L)  这些 token 的绝对位置；填充处为 0
-    mask: torch.Tensor          # (B, 1, 1, L, S) True = 可以看
+    mask: torch.Tensor          # (B, 1, 1, L, S) True = 可以看。不读池子时 S = L（只看自己），否则 S = max_blocks·block_size
     token_index: torch.Tensor   # (N,)    真实 token 在展平的 B·L 里的下标（跳过填充）
     slot_mapping: torch.Tensor  # (N,)    第 n 个真实 token 的 K/V 写到池子的哪个槽
-    block_tables: torch.Tensor  # (B, max_blocks) 每行的块表；较短的行用空块补齐（补出来的 key 都被 mask 遮住）
-    gather_rows: torch.Tensor   # (B·H_kv·max_blocks,) 按块表读回时，池子 ((num_blocks+1)·H_kv, block_size·D) 视图的行号
+    block_tables: torch.Tensor  # (B, max_blocks) 每行的块表；较短的行用空块补齐
+    # 读池子用（没有任何行有已缓存的 token 时都是 None：不读）
+    read_rows: Optional[torch.Tensor] = None   # (2·B·H_kv·max_blocks,) 池子一层的视图 (2·(num_blocks+1)·H_kv, block_size·D) 里要拷出的行
+    read_buf: Optional[torch.Tensor] = None    # (2·B·H_kv·max_blocks, block_size·D) 拷到这里；每层复用同一块
+    v_tail_rows: Optional[torch.Tensor] = None # 读回的 V 看成 (B·H_kv·S, D) 时，各行自己最后一块里还没写到的位置
+    gather_bytes: int = 0       # 读池子时拷贝的字节数（全部层累计）
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 写进池子，返回全部 K/V 各 (B, H_kv, S, D)。"""
+        """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 写进池子，返回注意力要看的 K/V 各 (B, H_kv, S, D)。"""
         B, H_kv, L, D = k.shape
-        bs = self.pool.shape[4]
+        layer = self.pool[layer_idx]                                             # (2, num_blocks+1, H_kv, block_size, D)：视图
+        bs = layer.shape[3]
         block, offset = self.slot_mapping // bs, self.slot_mapping % bs          # (N,), (N,)
-        out = []
         for kv, new in ((0, k), (1, v)):
-            cache = self.pool[layer_idx, kv]                                     # (num_blocks+1, H_kv, block_size, D)：视图
             new = new.transpose(1, 2).reshape(B * L, H_kv, D)                    # (B, H_kv, L, D) -> (B·L, H_kv, D)
-            cache[block, :, offset] = new[self.token_index]                      # 只写真实 token：(N, H_kv, D) 写进各自的槽
-            rows = cache.view(-1, bs * D).index_select(0, self.gather_rows)      # (B·H_kv·max_blocks, block_size·D)：拷贝
-            out.append(rows.view(B, H_kv, -1, D))                                # (B, H_kv, S, D)，连续
-        return out[0], out[1]
+            layer[kv, block, :, offset] = new[self.token_index]                  # 只写真实 token：(N, H_kv, D) 写进各自的槽
+        if self.read_rows is None:
+            return k, v          # 全新的 prefill：要看的正是本次前向自己的 K/V（刚写进池子的那些），不用读回来
+        # 一次 index_select 把 K 和 V 一起拷出来：行的顺序是 (K/V, 请求, 头, 逻辑块)，拷出来正好是两个连续的
+        # (B, H_kv, S, D)。输出写进每层复用的 read_buf：这一层的注意力用完，下一层才覆盖它
+        torch.index_select(layer.view(-1, bs * D), 0, self.read_rows, out=self.read_buf)  # (2·B·H_kv·max_blocks, bs·D)
+        self.gather_bytes += self.read_buf.nbytes
+        k_all, v_all = self.read_buf.view(2, B, H_kv, -1, D)                     # 各 (B, H_kv, S, D)
+        # 每行长度之外的位置：K 的分数会被掩码替换掉（不管是什么值），V 却会以"概率 0 × 值"进入 probs @ v，
+        # 而 0 × NaN = NaN。补齐的部分读自空块，plan 已把空块的 V 清零；剩下各行最后一块里还没写到的尾巴
+        # （上一个用这块的请求留下的旧数据），在这里清零：每行最多 block_size − 1 个位置
+        v_all.view(-1, D).index_fill_(0, self.v_tail_rows, 0)
+        return k_all, v_all
 
 
 class PagedKVCache:
@@ -59,9 +80,8 @@ class PagedKVCache:
         # 块内按头排 (H_kv, block_size, D)：同一个头、同一块的 block_size 个位置是一段连续内存，
         # 按 (请求, 头, 逻辑块) 的顺序把这些段拼起来，得到的正好是连续的 (B, H_kv, S, D)——与 step03 的缓存
         # 一样每个头一整块 S×D，注意力的矩阵乘顺序读。若按 (block_size, H_kv, D) 存，取回后还要 transpose，
-        # 变成跨步读（docs/05_paged.md 里量过两种布局）。
-        # 用 zeros 而不是 empty：gather 会读到没写过的槽（随后被 mask 成概率 0），
-        # 未初始化的内存里可能恰好是 NaN/inf，而 0 × NaN = NaN 会污染输出。
+        # 变成跨步读（docs/05_paged.md 第 3 节）。
+        # 用 zeros 而不是 empty：没写过的槽是 0，出 bug 时结果可复现（正确性不靠它：读回后长度之外的位置都被遮住、清零）。
         self.pool = torch.zeros(cfg.num_layers, 2, num_blocks + 1, self.H_kv, block_size, self.D,
                                 device=device, dtype=dtype)
         self.null_block = num_blocks   # 多出来的最后一块：从不分配，只给块表补齐用
@@ -71,37 +91,55 @@ class PagedKVCache:
         return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
     def plan(self, seqs) -> PagedForward:
-        """seqs 里每个请求：位置 num_cached_tokens .. num_tokens-1 的 token 要算（prefill：整段；decode：1 个）。
+        """seqs 里每个请求：位置 num_cached_tokens .. num_tokens-1 的 token 要算（prefill：整段；decode：1 个；
+        step06 起还有"前 num_cached_tokens 个已在池子里、prefill 剩下的"）。
         调度器负责让块表覆盖到 num_tokens-1；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
         bs, dev = self.block_size, self.pool.device
         for seq in seqs:
             if seq.num_tokens > len(seq.block_table) * bs:
                 raise RuntimeError(f"block table of {len(seq.block_table)} blocks x {bs} slots does not cover "
                                    f"position {seq.num_tokens - 1}: the scheduler must allocate blocks first")
-        news = [seq.token_ids[seq.num_cached_tokens:] for seq in seqs]
-        B, L = len(seqs), max(len(t) for t in news)
+        B = len(seqs)
+        news = [seq.token_ids[seq.num_cached_tokens:] for seq in seqs]            # 每行还没进缓存的 token
+        L = max(len(t) for t in news)
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        input_ids = torch.zeros(B, L, dtype=torch.long)
-        positions = torch.zeros(B, L, dtype=torch.long)
-        block_tables = torch.full((B, max_blocks), self.null_block, dtype=torch.long)
-        token_index, slots = [], []
-        for i, (seq, new) in enumerate(zip(seqs, news)):
-            pad = L - len(new)                                   # 左填充：真实 token 靠右，last_only 取到的就是最后一个真实 token
-            start = seq.num_cached_tokens
-            input_ids[i, pad:] = torch.tensor(new)
-            positions[i, pad:] = torch.arange(start, start + len(new))
-            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
-            for j, p in enumerate(range(start, start + len(new))):
-                token_index.append(i * L + pad + j)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)  # 逻辑位置 → 物理槽
+        cached = torch.tensor([seq.num_cached_tokens for seq in seqs])             # (B,)
+        n_new = torch.tensor([len(t) for t in news])                               # (B,)
+        # 左填充：真实 token 靠右，last_only 取到的就是每行最后一个真实 token
+        input_ids = torch.tensor([[PAD_ID] * (L - len(t)) + t for t in news])      # (B, L)
+        block_tables = torch.tensor([seq.block_table + [self.null_block] * (max_blocks - len(seq.block_table))
+                                     for seq in seqs])                                        # (B, max_blocks)
+        pad = L - n_new                                                            # (B,) 每行的填充数
+        col = torch.arange(L)
+        real = col[None, :] >= pad[:, None]                                        # (1, L) >= (B, 1) -> (B, L)
+        positions = torch.where(real, cached[:, None] + col[None, :] - pad[:, None], 0)   # (B, L)，填充处 0
+        slots = block_tables.gather(1, positions // bs) * bs + positions % bs      # (B, L) 逻辑位置 → 物理槽
+        token_index = real.flatten().nonzero().squeeze(1)                          # (N,)
+        slot_mapping = slots.flatten()[token_index]                                # (N,)
+
+        if not any(seq.num_cached_tokens for seq in seqs):
+            # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
+            mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
+            return PagedForward(self.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
+                                token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev))
         S = max_blocks * bs
-        # 第 (b, h, j) 段 = 物理块 block_tables[b, j] 的第 h 个头 → 视图 (num_blocks·H_kv, block_size·D) 的第 块号·H_kv + h 行
-        heads = torch.arange(self.H_kv)
-        gather_rows = (block_tables[:, None, :] * self.H_kv + heads[None, :, None]).flatten()  # (B, H_kv, max_blocks) 展平
         # 按绝对位置的因果掩码：位置 p 的 query 只看位置 ≤ p 的 key。块表里还没写（或补齐出来）的槽，
         # 位置都 > 该行任何真实 query 的位置，自然被遮住；填充的 query 位置为 0，只看 key 0，不会整行全遮。
         key_pos = torch.arange(S)
-        mask = key_pos[None, None, :] <= positions[:, :, None]   # (B, L, S)
+        mask = key_pos[None, None, :] <= positions[:, :, None]                     # (1, 1, S) <= (B, L, 1) -> (B, L, S)
+        # 读的行号：池子一层看成 (2·(num_blocks+1)·H_kv, block_size·D)，(K/V, 物理块, 头) 在第 (kv·(num_blocks+1) + 块号)·H_kv + 头 行
+        kv = torch.arange(2)[:, None, None, None]                                  # (2, 1, 1, 1)
+        heads = torch.arange(self.H_kv)[None, None, :, None]                       # (1, 1, H_kv, 1)
+        read_rows = ((kv * (self.num_blocks + 1) + block_tables[None, :, None, :]) * self.H_kv + heads).flatten()
+        #            (2, B, H_kv, max_blocks) 展平：拷出来的顺序就是 (K/V, B, H_kv, S)
+        length = cached + n_new                                                    # (B,) 这次前向之后每行的长度
+        own = torch.tensor([len(seq.block_table) * bs for seq in seqs])            # (B,) 每行自己的块覆盖到哪
+        tail = (key_pos[None, :] >= length[:, None]) & (key_pos[None, :] < own[:, None])   # (B, S)
+        tail = tail[:, None, :].expand(B, self.H_kv, S)                            # (B, H_kv, S)
+        # 空块从不分给任何请求，正常情况下一直是 0；每次读之前把它的 V 再清零一遍（全部层，一块，几百 KiB），
+        # 补齐读到的 V 就一定是 0，不依赖"没人写过它"
+        self.pool[:, 1, self.null_block].zero_()
+        read_buf = torch.empty(2 * B * self.H_kv * max_blocks, bs * self.D, device=dev, dtype=self.pool.dtype)
         return PagedForward(self.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
-                            torch.tensor(token_index, device=dev), torch.tensor(slots, device=dev),
-                            block_tables.to(dev), gather_rows.to(dev))
+                            token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev),
+                            read_rows.to(dev), read_buf, tail.flatten().nonzero().squeeze(1).to(dev))

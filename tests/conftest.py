@@ -1,4 +1,6 @@
 """共用的测试夹具：真实默认模型（只加载一次）、离线创建的随机小模型、运行 run.py 的辅助函数。"""
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -31,6 +33,21 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overri
     return path
 
 
+@pytest.fixture(autouse=True)
+def single_thread_for_tiny_models(request):
+    """不用真实模型的测试单线程跑：随机小模型的矩阵只有几十维，第二个线程只带来同步开销；
+    机器上还有别的负载时（CI、并行的其他进程），两个线程互相等待，会慢一个数量级。用真实模型的测试保持默认线程数。"""
+    if "real" in request.fixturenames:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def real():
     """真实默认模型 SmolLM2-135M-Instruct（CPU，float32），整个测试会话只加载一次。"""
@@ -53,7 +70,44 @@ def tiny(request, tmp_path_factory) -> Tiny:
     return Tiny(request.param, path, model, model.cfg)
 
 
-def run_py(step: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """像学习者一样在命令行运行某一步的 run.py。"""
+# 与架构无关的测试（只用到配置形状的、记账的、调度的、长时间的随机负载）只跑一种架构：
+# 给测试加上 @one_arch，它拿到的 `tiny` 就只有 llama 这一个（与其他测试共用同一个实例）。
+one_arch = pytest.mark.parametrize("tiny", ["llama"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(tmp_path_factory) -> Path:
+    """随机小模型，但词表、分词器、对话模板、EOS 与默认模型相同：给要处理文本的测试（章节模式、命令行）用。
+    只读默认模型目录里的小文件，不加载它的权重。"""
+    from common.config import ModelConfig, eos_token_ids
+    from common.prepare import prepare_default_model
+    real_dir = prepare_default_model()
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok"), "llama",
+                               vocab_size=ModelConfig.from_dir(real_dir).vocab_size, max_position_embeddings=2048,
+                               eos_token_id=sorted(eos_token_ids(real_dir))[0])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_dir / name).exists():
+            shutil.copy(real_dir / name, path / name)
+    return path
+
+
+def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None) -> subprocess.CompletedProcess:
+    """像学习者一样在命令行运行某一步的 run.py。threads：限定 torch 的线程数（随机小模型用 1，见 single_thread_for_tiny_models）。"""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def cli_error(run_module, argv: list[str], capsys) -> str:
+    """在进程内运行某一步 run.py 的 main（与命令行同一条路：cli.run_main），断言它以一行 `error: ...`、
+    退出码 2 结束，返回那一行。比启动一个进程快得多；"真的是一个进程时也没有 traceback"由
+    test_prepare_and_errors 里唯一的子进程测试负责。"""
+    from common import cli
+    parser = run_module.make_parser() if hasattr(run_module, "make_parser") else cli.make_parser(run_module.STEP)
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(parser, run_module.main, argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert e.value.code == 2, (e.value.code, captured.err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err[-2000:]
+    return lines[0]

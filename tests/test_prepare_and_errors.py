@@ -1,11 +1,16 @@
-"""默认模型的准备是幂等的；每种坏输入都得到一行 `error:` 和退出码 2，而不是 traceback。"""
+"""默认模型的准备是幂等的；"完整"检查抓得住每种残缺；每种坏输入都得到一行 `error:` 和退出码 2，而不是 traceback。
+
+目录检查用一个小模型目录（几 MB）而不是复制 538 MB 的默认模型；坏输入在进程内跑 run.py 的 main（cli.run_main，
+与命令行同一条路）。只有一个测试真的启动进程：确认 traceback 到不了用户的终端。
+"""
 import json
 import shutil
 
 import pytest
 
 from common import prepare
-from conftest import make_tiny_model_dir, run_py
+from conftest import cli_error, run_py
+from step01_naive import run as step01_run
 
 
 def test_prepare_is_idempotent(real):
@@ -19,79 +24,112 @@ def test_prepare_is_idempotent(real):
     assert "quantization_config" not in cfg and cfg["model_type"] == "llama"
 
 
-def test_incomplete_directory_is_detected(real, tmp_path):
-    """"存在"不等于"完整"：缺文件、截断的权重、带量化配置的 config 都会被发现。"""
-    for f in prepare.REQUIRED_FILES:
-        broken = tmp_path / f"missing-{f}"
-        shutil.copytree(real.path, broken)
-        (broken / f).unlink()
-        assert not prepare.is_complete(broken), f
-    truncated = tmp_path / "truncated"
-    shutil.copytree(real.path, truncated)
-    with open(truncated / "model.safetensors", "r+b") as fh:
-        fh.truncate(1000)
-    assert not prepare.is_complete(truncated)
+# ---------- "存在"不等于"完整" ----------
 
-
-def _error(r):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    return lines[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-def _broken_copy(tiny_dir, tmp_path, edit):
-    from safetensors.torch import load_file, save_file
-    d = tmp_path / "broken"
-    shutil.copytree(tiny_dir, d)
-    state = load_file(d / "model.safetensors")
-    edit(state)
-    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+@pytest.fixture
+def model_copy(tiny_tok_dir, tmp_path):
+    """一个完整的小模型目录（与默认模型同样的文件）的副本，测试可以随意弄坏它。"""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_tok_dir, d)
+    assert prepare.is_complete(d)
     return d
 
 
-def test_empty_prompt():
-    assert "empty prompt" in _error(run_py("step01_naive", "--prompt", "", "--max-new-tokens", "4"))
-
-
-def test_zero_new_tokens():
-    assert "max-new-tokens" in _error(run_py("step01_naive", "--prompt", "hi", "--max-new-tokens", "0"))
-
-
-def test_prompt_longer_than_context(real):
-    assert "context" in _error(run_py("step01_naive", "--prompt", "hello " * 9000, "--max-new-tokens", "4"))
-
-
-def test_missing_model_dir(tmp_path):
-    assert "does not exist" in _error(run_py("step01_naive", "--model", str(tmp_path / "nope"), "--prompt", "hi"))
-
-
-def test_missing_tensor(tiny_dir, tmp_path):
-    d = _broken_copy(tiny_dir, tmp_path, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
-    assert "missing" in _error(run_py("step01_naive", "--model", str(d), "--prompt", "hi"))
-
-
-def test_wrong_tensor_shape(tiny_dir, tmp_path):
-    def edit(s):
-        s["model.layers.0.self_attn.k_proj.weight"] = s["model.layers.0.self_attn.k_proj.weight"][:, :-1].contiguous()
-    d = _broken_copy(tiny_dir, tmp_path, edit)
-    assert "shape" in _error(run_py("step01_naive", "--model", str(d), "--prompt", "hi"))
-
-
-def test_unknown_architecture(tiny_dir, tmp_path):
-    d = tmp_path / "gpt2ish"
-    shutil.copytree(tiny_dir, d)
+def edit_config(d, **changes):
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "gpt2"
+    cfg.update(changes)
     (d / "config.json").write_text(json.dumps(cfg))
-    assert "unsupported architecture" in _error(run_py("step01_naive", "--model", str(d), "--prompt", "hi"))
 
 
-def test_bad_flag_value():
-    _error(run_py("step01_naive", "--device", "tpu"))
+def edit_weights(d, edit):
+    from safetensors.torch import load_file, save_file
+    state = load_file(d / "model.safetensors")
+    edit(state)
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", prepare.REQUIRED_FILES)
+def test_missing_file_is_incomplete(model_copy, name):
+    (model_copy / name).unlink()
+    assert not prepare.is_complete(model_copy)
+
+
+def test_truncated_weights_are_incomplete(model_copy):
+    with open(model_copy / "model.safetensors", "r+b") as fh:
+        fh.truncate(1000)
+    assert not prepare.is_complete(model_copy)
+
+
+def test_quantized_config_is_incomplete(model_copy):
+    """转换时去掉了 GGUF 带来的量化标记；还带着它的目录是转换到一半的产物。"""
+    edit_config(model_copy, quantization_config={"quant_method": "gguf"})
+    assert not prepare.is_complete(model_copy)
+
+
+def test_unparsable_config_is_incomplete(model_copy):
+    (model_copy / "config.json").write_text("{")
+    assert not prepare.is_complete(model_copy)
+
+
+def drop_tensor(s):
+    s.pop("model.layers.1.mlp.up_proj.weight")
+
+
+def shrink_tensor(s):
+    s["model.layers.0.self_attn.k_proj.weight"] = s["model.layers.0.self_attn.k_proj.weight"][:, :-1].contiguous()
+
+
+@pytest.mark.parametrize("edit", [drop_tensor, shrink_tensor], ids=["missing", "misshapen"])
+def test_bad_tensor_is_incomplete(model_copy, edit):
+    edit_weights(model_copy, edit)
+    assert not prepare.is_complete(model_copy)
+
+
+# ---------- 坏输入：一行 `error: ...`，退出码 2 ----------
+
+def error_line(argv, capsys) -> str:
+    return cli_error(step01_run, argv, capsys)
+
+
+def test_empty_prompt(capsys):
+    assert "empty prompt" in error_line(["--prompt", "", "--max-new-tokens", "4"], capsys)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "abc"])
+def test_bad_max_new_tokens(capsys, value):
+    assert "max-new-tokens" in error_line(["--prompt", "hi", "--max-new-tokens", value], capsys)
+
+
+def test_bad_flag_value(capsys):
+    assert "--device" in error_line(["--device", "tpu"], capsys)
+
+
+def test_prompt_longer_than_context(tiny_tok_dir, capsys):
+    """小模型的上下文是 2048：3000 个 "hello" 编码后超出。"""
+    line = error_line(["--model", str(tiny_tok_dir), "--prompt", "hello " * 3000, "--max-new-tokens", "4"], capsys)
+    assert "context of 2048 tokens" in line
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    assert "does not exist" in error_line(["--model", str(tmp_path / "nope"), "--prompt", "hi"], capsys)
+
+
+@pytest.mark.parametrize("edit, message", [(drop_tensor, "missing"), (shrink_tensor, "shape")],
+                         ids=["missing", "misshapen"])
+def test_bad_tensor(model_copy, capsys, edit, message):
+    edit_weights(model_copy, edit)
+    assert message in error_line(["--model", str(model_copy), "--prompt", "hi"], capsys)
+
+
+def test_unknown_architecture(model_copy, capsys):
+    edit_config(model_copy, model_type="gpt2")
+    assert "unsupported architecture" in error_line(["--model", str(model_copy), "--prompt", "hi"], capsys)
+
+
+def test_no_traceback_reaches_the_terminal(model_copy):
+    """真正的进程：加载坏权重的错误从深处抛出，用户看到的仍只有一行 `error:`、退出码 2，stdout 为空。"""
+    edit_weights(model_copy, drop_tensor)
+    r = run_py("step01_naive", "--model", str(model_copy), "--prompt", "hi", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "missing" in r.stderr and r.stdout == ""

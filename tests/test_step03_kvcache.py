@@ -8,9 +8,10 @@ import torch
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT
-from conftest import run_py
+from conftest import cli_error, one_arch, run_py
 from step02_sampling.engine import generate as generate_step02
 from step02_sampling.sampler import SamplingParams
+from step03_kvcache_single import run as step03_run
 from step03_kvcache_single.cache import CACHES, CatKVCache, PreallocKVCache
 from step03_kvcache_single.engine import forward, generate
 
@@ -89,6 +90,7 @@ def test_decode_logits_match_full_recompute_real(real):
 
 # ---------- 随机小模型（llama / qwen2 / qwen3）----------
 
+@one_arch
 def test_tiny_greedy_and_seeded_equal_step02(tiny):
     prompt = tiny_prompt()
     for params in (GREEDY, SEEDED):
@@ -102,6 +104,7 @@ def test_tiny_greedy_and_seeded_equal_step02(tiny):
                 assert c.ok, c.describe()
 
 
+@one_arch
 def test_tiny_cat_and_prealloc_identical(tiny):
     """两种缓存存的是同一批数：每一步的 logits 完全相同（不只是 token 相同）。"""
     prompt = tiny_prompt(20, seed=1)
@@ -168,6 +171,7 @@ def greedy_with_cache(model, prompt, n, cache) -> tuple[list[int], torch.Tensor]
     return ids[len(prompt):], torch.stack(seen)
 
 
+@one_arch
 def test_per_layer_advance_corrupts_output(tiny):
     prompt = tiny_prompt(12, seed=4)
     L, n = len(prompt), 8
@@ -193,6 +197,7 @@ def test_per_layer_advance_corrupts_real_tokens(real):
     assert bad != good
 
 
+@one_arch
 def test_engine_position_check_catches_per_layer_advance(tiny):
     """引擎按 token 在序列里的下标算位置，并与缓存长度核对：每层推进的缓存在第一次 decode 时就被发现。"""
     cache = PerLayerAdvanceCache(tiny.cfg, 200, "cpu", torch.float32)
@@ -200,6 +205,7 @@ def test_engine_position_check_catches_per_layer_advance(tiny):
         generate(tiny.model, tiny_prompt(12), 4, GREEDY, ignore_eos=True, cache=cache)
 
 
+@one_arch
 def test_cat_cache_detects_wrong_advance(tiny):
     """cat 版每层各存一个张量，长度对不上 advance 的次数时立刻报错，而不是悄悄算错。"""
     cache = CatKVCache(tiny.cfg, 64)
@@ -213,6 +219,7 @@ def test_cat_cache_detects_wrong_advance(tiny):
 
 # ---------- 形状、视图、复制量、溢出、位置检查 ----------
 
+@one_arch
 def test_prealloc_returns_views_and_writes_only_new_positions(tiny):
     cfg = tiny.cfg
     cache = PreallocKVCache(cfg, 10, "cpu", torch.float32)
@@ -229,6 +236,7 @@ def test_prealloc_returns_views_and_writes_only_new_positions(tiny):
     assert cache.bytes_copied == 2 * (k.nbytes + k1.nbytes)         # 只写了新位置
 
 
+@one_arch
 def test_copy_volume_cat_vs_prealloc(tiny):
     """cat 每次前向复制当时的全部 S 个位置；预分配每个位置只写一次。"""
     prompt, n = tiny_prompt(10, seed=5), 12
@@ -243,13 +251,23 @@ def test_copy_volume_cat_vs_prealloc(tiny):
 
 
 def test_kv_bytes_per_token_real(real):
-    """SmolLM2-135M：2 × 30 层 × 3 个 KV 头 × 64 × 4 字节（float32）= 46080 字节 = 45 KiB/token。"""
+    """SmolLM2-135M（手算，章节里引用的数）：2 × 30 层 × 3 个 KV 头 × 64 × 4 字节（float32）= 46080 字节 = 45 KiB/token。"""
     assert real.cfg.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4 == 46080
-    cache = PreallocKVCache(real.cfg, 100, "cpu", torch.float32)
-    assert cache.nbytes() == 100 * 46080
+
+
+def test_kv_bytes_per_token_equals_hf_past_key_values(tiny):
+    """公式对照 HF 自己的缓存：HF 前向 T 个 token 之后，past_key_values 里全部 K/V 张量的字节数 = T × 公式。"""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32).eval()
+    T = 9
+    with torch.inference_mode():
+        past = hf(torch.tensor([tiny_prompt(T)]), use_cache=True).past_key_values
+    hf_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in past.layers)
+    assert hf_bytes == T * tiny.cfg.kv_bytes_per_token(4)
 
 
 @pytest.mark.parametrize("cls", list(CACHES.values()), ids=list(CACHES))
+@one_arch
 def test_overflow_is_a_clear_error(tiny, cls):
     cfg = tiny.cfg
     cache = cls(cfg, 5, "cpu", torch.float32)
@@ -266,6 +284,7 @@ def test_overflow_is_a_clear_error(tiny, cls):
         generate(tiny.model, tiny_prompt(6), 10, GREEDY, ignore_eos=True, cache=small)
 
 
+@one_arch
 def test_positions_are_checked_against_cache(tiny):
     cache = PreallocKVCache(tiny.cfg, 16, "cpu", torch.float32)
     with torch.inference_mode():
@@ -274,6 +293,7 @@ def test_positions_are_checked_against_cache(tiny):
             forward(tiny.model, cache, [3], 4)   # 位置 4 已经在缓存里了：应当是 5
 
 
+@one_arch
 def test_generate_rejects_used_cache_and_unknown_name(tiny):
     cache = PreallocKVCache(tiny.cfg, 16, "cpu", torch.float32)
     generate(tiny.model, tiny_prompt(5), 3, GREEDY, cache=cache)
@@ -298,6 +318,5 @@ def test_run_py_generation_mode_equals_step02(real):
 
 @pytest.mark.parametrize("args", [["--temperature", "-1"], ["--cache", "paged"], ["--top-p", "0"],
                                   ["--prompt", "hi", "--plot", "x.png"]])
-def test_run_py_bad_input_exits_2(args):
-    r = run_py("step03_kvcache_single", *args)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_run_py_bad_input_exits_2(args, capsys):
+    cli_error(step03_run, args, capsys)

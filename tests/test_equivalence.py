@@ -1,0 +1,107 @@
+"""所有引擎一起比：同一组请求经过 step01 … step05（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+
+各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。
+加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
+比较用 ==（逐 token 完全相同），不用近似打平的容差：小模型上没有贴得那么近的 logit；真遇到了就换一个种子，而不是放宽。
+"""
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from step01_naive.engine import generate as generate01
+from step02_sampling.engine import generate as generate02
+from step02_sampling.sampler import SamplingParams
+from step03_kvcache_single.engine import generate as generate03
+from step04_static_batching.engine import generate_batch
+from step04_static_batching.request import Request
+from step05_paged.engine import PagedEngine, blocks_needed
+
+
+@dataclass
+class Engine:
+    name: str
+    run: Callable[..., list[list[int]]]   # (model, requests, eos_ids) -> 每个请求的新 token，顺序同 requests
+    sampling: bool = True                 # step01 只有贪心
+
+
+def one_by_one(generate, **kw):
+    def run(model, requests, eos_ids):
+        return [generate(model, r.prompt_ids, r.max_new_tokens, r.params, eos_ids, r.ignore_eos, **kw)
+                for r in requests]
+    return run
+
+
+def step01(model, requests, eos_ids):
+    return [generate01(model, r.prompt_ids, r.max_new_tokens, eos_ids, r.ignore_eos) for r in requests]
+
+
+def step04(max_batch_size):
+    def run(model, requests, eos_ids):
+        return generate_batch(model, requests, max_batch_size, eos_ids).outputs
+    return run
+
+
+def step05(block_size, max_batch_size, pool: str):
+    """pool "roomy"：池子放得下全部请求；"tight"：只放得下最大的请求两份，一定会抢占。"""
+    def run(model, requests, eos_ids):
+        biggest = max(blocks_needed(r, block_size) for r in requests)
+        num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
+        engine = PagedEngine(model, num_blocks, block_size, max_batch_size)
+        outputs, stats = engine.generate(requests, eos_ids)
+        assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
+        return outputs
+    return run
+
+
+ENGINES = [
+    Engine("step01_naive", step01, sampling=False),
+    Engine("step02_sampling", one_by_one(generate02)),
+    Engine("step03_prealloc", one_by_one(generate03, cache="prealloc")),
+    Engine("step03_cat", one_by_one(generate03, cache="cat")),
+    Engine("step04_one_batch", step04(max_batch_size=16)),
+    Engine("step04_batches_of_3", step04(max_batch_size=3)),
+    Engine("step05_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy")),
+    Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
+]
+
+
+def workload(seed: int, sampled: bool) -> list[Request]:
+    """8 个请求：提示词 1–40 个 token，新 token 3–24 个，一半 ignore_eos；sampled 时奇数号带种子采样。"""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(8):
+        params = SamplingParams()
+        if sampled and i % 2:
+            params = SamplingParams(temperature=0.9, top_k=rng.choice([0, 40]), top_p=rng.choice([1.0, 0.9]),
+                                    repetition_penalty=rng.choice([1.0, 1.2]), seed=100 + i)
+        prompt = [rng.randrange(2, 256) for _ in range(rng.choice([1, 3, 7, 12, 25, 40]))]
+        requests.append(Request(prompt, rng.randint(3, 24), params, ignore_eos=i % 4 == 0))
+    return requests
+
+
+def natural_eos(model, requests) -> list[int]:
+    """挑一个 EOS：第一个贪心、不 ignore_eos 的请求单独生成时的第 3 个 token。这样至少有一个请求真的在中途停下。"""
+    r = next(r for r in requests if not r.ignore_eos and r.params.seed is None)
+    return [generate01(model, r.prompt_ids, r.max_new_tokens, ())[2]]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_engine_gives_the_same_tokens(tiny, sampled):
+    requests = workload(seed=7, sampled=sampled)
+    eos_ids = natural_eos(tiny.model, requests)
+    engines = [e for e in ENGINES if e.sampling or not sampled]
+    results = {e.name: e.run(tiny.model, requests, eos_ids) for e in engines}
+    ref_name, ref = next(iter(results.items()))
+    assert any(len(o) < r.max_new_tokens for o, r in zip(ref, requests)), "no request stopped at EOS"
+    assert all(len(o) == r.max_new_tokens for o, r in zip(ref, requests) if r.ignore_eos)
+    if sampled:   # 采样的请求确实在采样：换个种子输出就不同
+        r = next(r for r in requests if r.params.seed is not None)
+        other = Request(r.prompt_ids, r.max_new_tokens, SamplingParams(**{**vars(r.params), "seed": r.params.seed + 1}),
+                        ignore_eos=True)
+        assert one_by_one(generate02)(tiny.model, [other], ())[0] != \
+            one_by_one(generate02)(tiny.model, [Request(r.prompt_ids, r.max_new_tokens, r.params, True)], ())[0]
+    bad = {name: [i for i, (a, b) in enumerate(zip(ref, out)) if a != b] or "count"
+           for name, out in results.items() if out != ref}
+    assert not bad, f"engines that differ from {ref_name} (request indices): {bad}"
