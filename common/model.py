@@ -2,7 +2,7 @@
 
 形状记号见 common/shapes.py：B, L, S, E, F, V, H, H_kv, D。
 
-forward(input_ids, positions, cache=None, last_only=False)：
+forward(input_ids, positions, cache=None, last_only=False, logits_index=None)：
   - positions 显式传入（RoPE 用真实位置，后面有 KV cache 时要加上偏移）；
   - cache 是本次前向看到的 KV cache（接口见 common/kv_cache.py）：每层调用 `cache.attend(layer_idx, q, k, v)`，
     它把新 K/V 存进去、取回要看的全部 K/V 和掩码，再调用下面的 attention()。
@@ -202,12 +202,15 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids, positions, cache=None, last_only=False):
-        """input_ids, positions: (B, L) → logits (B, L, V)；last_only=True 时只算最后一个位置 (B, 1, V)。"""
+    def forward(self, input_ids, positions, cache=None, last_only=False, logits_index=None):
+        """input_ids, positions: (B, L) → logits (B, L, V)；last_only=True 时只算最后一个位置 (B, 1, V)；
+        logits_index (N,) 时只算每行这 N 个位置 (B, N, V)（step07：展平成一行的批里，只有每个要采样的请求的最后一个 token）。"""
         x = self.embed_tokens(input_ids)                 # (B, L) -> (B, L, E)
         cos, sin = self.rope(positions, x.dtype)         # (B, L, D) 各一份，所有层共用
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         if last_only:
             x = x[:, -1:]                                # 生成只需要最后一个位置：省掉 (L-1)·E·V 次乘加
+        elif logits_index is not None:
+            x = x[:, logits_index]                       # (B, L, E) -> (B, N, E)：其余 L-N 个位置的 logits 没人用
         return self.lm_head(self.norm(x)).float()        # (B, L, E) x (E, V) -> (B, L, V)，logits 统一用 float32

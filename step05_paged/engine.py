@@ -11,8 +11,12 @@
 
 记账与 step04 是同一套（step04_static_batching/stats.py）：每次前向一行 StepStats，每个请求的首 token / 结束时刻；
 另外记 gather 拷贝的字节数、prefill 时干等的 decode 请求（stall），以及抢占次数和峰值并发。
+
+请求按 Request.arrival_s 到达（ArrivalClock）：调度器只看得到已经到达的请求。本章的负载都在 0 时刻到达；
+step07 用同一个引擎跑"请求陆续到达"的负载，与分块 prefill 比较。
 """
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -46,6 +50,44 @@ class PagedStats(EngineStats):
     preemptions: int = 0
     peak_running: int = 0                                  # 同时在运行集合里的请求数的峰值
     preempted: list[int] = field(default_factory=list)     # 每个请求被抢占了几次（按请求顺序）
+    # 请求陆续到达时（step07 的负载）：每个请求的到达时刻、每个输出 token 的时刻；wall_s 是引擎真正花掉的时间，
+    # 没有请求可做、时钟直接拨过去的空闲不在里面（记在 idle_s）
+    arrival_s: list[float] = field(default_factory=list)
+    token_s: list[list[float]] = field(default_factory=list)
+    idle_s: float = 0.0
+
+    def ttft_s(self) -> list[float]:
+        """首 token 延迟从请求到达算起（全部在 0 时刻到达时就是 first_token_s）。"""
+        return [f - a for f, a in zip(self.first_token_s, self.arrival_s)]
+
+    def max_gap_s(self) -> list[Optional[float]]:
+        """每个请求相邻两个输出 token 之间最长的间隔：它在运行中被卡住的最长一次（只有 1 个输出的请求为 None）。"""
+        return [max(b - a for a, b in zip(ts, ts[1:])) if len(ts) > 1 else None for ts in self.token_s]
+
+
+class ArrivalClock:
+    """本次运行的时钟（秒，从 0 开始）和还没到达的请求（按到达时刻排好，同一时刻按给定顺序）。
+
+    引擎每一步之前调用 release：把已经到达的请求交给调度器。调度器没活、下一个请求还没到时，时钟直接拨到它
+    到达的时刻——不真的睡（那段时间引擎本来就闲着），拨过去的时间记在 idle_s。全部请求都在 0 时刻到达时，
+    第一步就全部交出，与没有到达时间的引擎一模一样。"""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.pending = deque(sorted(seqs, key=lambda seq: seq.request.arrival_s))
+        self.t0 = time.perf_counter()
+        self.idle_s = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0 + self.idle_s
+
+    def release(self, sched: Scheduler) -> bool:
+        """交出已经到达的请求；返回调度器有没有活（False = 全部请求都到过、都做完了）。"""
+        while True:
+            while self.pending and self.pending[0].request.arrival_s <= self.now():
+                sched.add(self.pending.popleft())
+            if sched.has_work() or not self.pending:
+                return sched.has_work()
+            self.idle_s += max(0.0, self.pending[0].request.arrival_s - self.now())
 
 
 class PagedOutput(NamedTuple):
@@ -85,7 +127,7 @@ class PagedEngine:
     @torch.inference_mode()
     def generate(self, requests: list[Request], eos_ids=(), tokenizer=None,
                  on_step: Optional[Callable[[ScheduledBatch, list[Sequence]], None]] = None) -> PagedOutput:
-        """用连续批处理跑完全部请求（都在 t=0 到达）。tokenizer：有请求带停止字符串时需要。
+        """用连续批处理跑完全部请求（各自在 arrival_s 到达，默认都是 0）。tokenizer：有请求带停止字符串时需要。
         on_step(batch, running)：每次前向之后、采样之前调用一次（块表还是这次前向用的），给想逐步观察池子的人
         （docs/notebooks/03 画池子占用）；不改变任何结果。"""
         self.check_fits(requests)
@@ -93,11 +135,9 @@ class PagedEngine:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
         sched = self.scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_prefill_tokens)
         seqs = [self.sequence_cls(r, make_generator(r.params.seed, self.model.device)) for r in requests]
-        for seq in seqs:
-            sched.add(seq)
         stats = self.stats_cls()
-        t0 = time.perf_counter()
-        while sched.has_work():
+        clock = ArrivalClock(seqs)
+        while clock.release(sched):                          # 只调度已经到达的请求
             t = time.perf_counter()
             batch = sched.schedule()
             fwd = self.cache.plan(batch.seqs)                    # 这次前向的地址信息（PagedForward）
@@ -110,27 +150,33 @@ class PagedEngine:
             stats.peak_running = max(stats.peak_running, len(sched.running))
             if on_step is not None:
                 on_step(batch, list(sched.running))
-            for row, seq in enumerate(batch.seqs):
-                # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
-                seq.append(sample(logits[row], seq.token_ids, seq.request.params, seq.generator), eos_ids, tokenizer)
-            now = time.perf_counter() - t0               # 这一步的 token 一起产出
-            for seq in batch.seqs:
-                if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
-                    seq.first_token_time = now
-                if seq.finished:
-                    seq.finish_time = now
-                    sched.finish(seq)                    # 立刻还块：下一步就能接纳新请求
+            self.emit(sched, batch.seqs, logits, eos_ids, tokenizer, clock)
             seconds = time.perf_counter() - t
             for seq in stalled:
                 seq.stall_time += seconds
             B, L = fwd.input_ids.shape
             stats.steps.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
                                          fwd.gather_bytes, len(stalled)))
-        stats.wall_s = time.perf_counter() - t0
+        stats.wall_s, stats.idle_s = time.perf_counter() - clock.t0, clock.idle_s
         if any(s.status is not Status.FINISHED for s in seqs):
             raise RuntimeError("scheduler stopped with unfinished requests")
         self.collect(stats, sched, seqs)
         return PagedOutput([s.output_ids for s in seqs], stats)
+
+    def emit(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor, eos_ids, tokenizer,
+             clock: ArrivalClock) -> None:
+        """logits (len(seqs), V)：每个请求采一个 token，这一步的 token 一起产出（记下时刻）；结束的请求立刻还块。"""
+        for row, seq in enumerate(seqs):
+            # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
+            seq.append(sample(logits[row], seq.token_ids, seq.request.params, seq.generator), eos_ids, tokenizer)
+        now = clock.now()
+        for seq in seqs:
+            seq.token_times.append(now)
+            if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
+                seq.first_token_time = now
+            if seq.finished:
+                seq.finish_time = now
+                sched.finish(seq)                    # 立刻还块：下一步就能接纳新请求
 
     def kv_slots(self, running: list[Sequence]) -> tuple[int, int]:
         """运行集合为 KV 持有的槽、其中存着真实 token 的 K/V 的槽（差额只来自每个请求最后一块没写满的部分）。"""
@@ -146,3 +192,5 @@ class PagedEngine:
         stats.stall_s = [s.stall_time for s in seqs]
         stats.preemptions = sched.num_preemptions
         stats.preempted = [s.num_preemptions for s in seqs]
+        stats.arrival_s = [s.request.arrival_s for s in seqs]
+        stats.token_s = [s.token_times for s in seqs]

@@ -90,25 +90,35 @@ class PagedKVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
-    def plan(self, seqs) -> PagedForward:
+    def plan(self, seqs, num_new_tokens: Optional[list[int]] = None) -> PagedForward:
         """seqs 里每个请求：位置 num_cached_tokens .. num_tokens-1 的 token 要算（prefill：整段；decode：1 个；
         step06 起还有"前 num_cached_tokens 个已在池子里、prefill 剩下的"）。
-        调度器负责让块表覆盖到 num_tokens-1；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
+        num_new_tokens（step07 的分块 prefill）：每行只算紧接着的这么多个 token，默认是还没进缓存的全部。
+        调度器负责让块表覆盖到要算的最后一个位置；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
         bs, dev = self.block_size, self.pool.device
-        for seq in seqs:
-            if seq.num_tokens > len(seq.block_table) * bs:
+        if num_new_tokens is None:
+            num_new_tokens = [seq.num_tokens - seq.num_cached_tokens for seq in seqs]
+        for seq, n in zip(seqs, num_new_tokens):
+            end = seq.num_cached_tokens + n
+            if not seq.num_cached_tokens < end <= seq.num_tokens:
+                raise RuntimeError(f"cannot compute {n} new tokens of a sequence with {seq.num_cached_tokens} of "
+                                   f"{seq.num_tokens} tokens cached")
+            if end > len(seq.block_table) * bs:
                 raise RuntimeError(f"block table of {len(seq.block_table)} blocks x {bs} slots does not cover "
-                                   f"position {seq.num_tokens - 1}: the scheduler must allocate blocks first")
+                                   f"position {end - 1}: the scheduler must allocate blocks first")
         B = len(seqs)
-        news = [seq.token_ids[seq.num_cached_tokens:] for seq in seqs]            # 每行还没进缓存的 token
+        news = [seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + n]        # 每行这次要算的 token
+                for seq, n in zip(seqs, num_new_tokens)]
         L = max(len(t) for t in news)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
+        # 每行只用到这次要算的最后一个位置所在的块（step05/06 的块表正好这么长；step07 一个提示词的块在接纳时
+        # 一次分好，分块 prefill 的前几块用不到后面的块）
+        tables = [seq.block_table[:-(-(seq.num_cached_tokens + n) // bs)] for seq, n in zip(seqs, num_new_tokens)]
+        max_blocks = max(map(len, tables))
         cached = torch.tensor([seq.num_cached_tokens for seq in seqs])             # (B,)
         n_new = torch.tensor([len(t) for t in news])                               # (B,)
         # 左填充：真实 token 靠右，last_only 取到的就是每行最后一个真实 token
         input_ids = torch.tensor([[PAD_ID] * (L - len(t)) + t for t in news])      # (B, L)
-        block_tables = torch.tensor([seq.block_table + [self.null_block] * (max_blocks - len(seq.block_table))
-                                     for seq in seqs])                                        # (B, max_blocks)
+        block_tables = torch.tensor([t + [self.null_block] * (max_blocks - len(t)) for t in tables])  # (B, max_blocks)
         pad = L - n_new                                                            # (B,) 每行的填充数
         col = torch.arange(L)
         real = col[None, :] >= pad[:, None]                                        # (1, L) >= (B, 1) -> (B, L)

@@ -49,11 +49,10 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         """按先来先服务从等待队列头部接纳请求，直到批满、prefill 张量超限或块不够。
         被抢占过的请求要重算 提示词 + 已生成的 token，所以按 num_tokens（而不只是提示词）分配块。"""
-        batch, longest = [], 0
+        batch = []
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            new_longest = max(longest, seq.num_tokens)
-            if batch and new_longest * (len(batch) + 1) > self.max_prefill_tokens:
+            if batch and not self._prefill_fits(batch, seq.num_tokens):
                 break  # 第一个总是放行：单个很长的提示词也要能 prefill
             need = self.blocks_for(seq.num_tokens)
             if not self.allocator.can_allocate(need):
@@ -63,8 +62,12 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             batch.append(seq)
-            longest = new_longest
         return batch
+
+    def _prefill_fits(self, batch: list[Sequence], num_new_tokens: int) -> bool:
+        """这一批 prefill 已经接纳了 batch，再加一个要算 num_new_tokens 个 token 的请求：左填充后的 B × L 还在上限内吗。"""
+        longest = max([seq.num_tokens - seq.num_cached_tokens for seq in batch] + [num_new_tokens])
+        return longest * (len(batch) + 1) <= self.max_prefill_tokens
 
     def _grow_for_decode(self) -> None:
         """decode 要写入位置 num_tokens-1（上一步采样出的 token）：它落在块表之外时，先要一个新块。"""

@@ -2,7 +2,7 @@
 
 step04 的 Sequence 已经记着"做到哪了"：已生成的 token、是否结束（max_new_tokens / EOS / 停止字符串）、
 自己的随机数发生器、首 token 与结束的时刻。这里继承它，只加上分页和调度需要的状态：
-块表、KV 已写进缓存的 token 数、状态、被抢占的次数、干等别人 prefill 的时间。
+块表、KV 已写进缓存的 token 数、状态、被抢占的次数、干等别人 prefill 的时间、每个输出 token 产出的时刻。
 """
 import enum
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ class Sequence(BatchSequence):
     status: Status = Status.WAITING
     num_preemptions: int = 0
     stall_time: float = 0.0          # 已经在 decode、却因为这一步在给别人做 prefill 而干等的时间（秒）
+    token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻（秒）：相邻两个之差就是它等了多久
 
     @property
     def num_tokens(self) -> int:

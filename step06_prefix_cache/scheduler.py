@@ -40,7 +40,7 @@ class PrefixCachingScheduler(Scheduler):
 
     # >>> step06 新增：接纳时先查缓存（替换 step05 的 _admit）
     def _admit(self) -> list[Sequence]:
-        batch, longest = [], 0
+        batch = []
         computing = set()                 # 这一批里各请求要算的第一个满块的 key
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
@@ -48,9 +48,7 @@ class PrefixCachingScheduler(Scheduler):
             if match.next_key is not None and match.next_key in computing:
                 break                     # 前面有人正要算同一块：等下一步直接命中（不跳过它去接后面的，保持先来先服务）
             num_hit = len(match.blocks)
-            num_new_tokens = seq.num_tokens - num_hit * self.block_size
-            new_longest = max(longest, num_new_tokens)
-            if batch and new_longest * (len(batch) + 1) > self.max_prefill_tokens:
+            if batch and not self._prefill_fits(batch, seq.num_tokens - num_hit * self.block_size):
                 break
             need = self.blocks_for(seq.num_tokens) - num_hit
             reclaimed = sum(self.allocator.ref_counts[b] == 0 for b in match.blocks)   # 命中的块若在 evictable 里，也占空闲额度
@@ -68,7 +66,6 @@ class PrefixCachingScheduler(Scheduler):
             self.waiting.popleft()
             self.running.append(seq)
             batch.append(seq)
-            longest = new_longest
         return batch
     # <<<
 

@@ -25,6 +25,8 @@ REQUIRED_FIGURES = {
                      "decode_gather_bytes_per_step", "decode_step_ms_ratio_vs_static"},
     "step06_prefix_cache": {"prefill_tokens_saved_fraction", "ttft_p50_ratio_vs_step05", "throughput_ratio_vs_step05",
                             "multi_turn_hit_rate", "radix_vs_block_matched_tokens_ratio", "evictions"},
+    "step07_chunked_prefill": {"tpot_p90_ratio_vs_step06", "max_stall_ratio_vs_step06", "throughput_ratio_vs_step06",
+                               "ttft_p50_ratio_vs_step06", "prefill_padding_waste"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}
@@ -37,7 +39,8 @@ EXPECTED_FAILURES = {
 
 @pytest.mark.parametrize("step", list(REQUIRED_FIGURES))
 def test_chapter_mode_quick_json(step, tiny_tok_dir, tmp_path):
-    extra = ["--plot", str(tmp_path / "latency.png")] if step in ("step03_kvcache_single", "step06_prefix_cache") else []
+    extra = ["--plot", str(tmp_path / "latency.png")] if step in ("step03_kvcache_single", "step06_prefix_cache",
+                                                                  "step07_chunked_prefill") else []
     r = run_py(step, "--quick", "--json", "--model", str(tiny_tok_dir), *extra, threads=1)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
