@@ -8,7 +8,7 @@
 
 池子的块数由调用方给（run.py 按同样的 MiB 预算换算：每 token 字节越少，块越多）。
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
@@ -42,7 +42,8 @@ class SwapCounters:
     bytes_in: int = 0
     seconds_out: float = 0.0
     seconds_in: float = 0.0
-    recompute_preemptions: int = 0
+    recompute_preemptions: int = 0                         # 第二层装不下（或没什么可换）时退回重算的抢占
+    tokens: list[int] = field(default_factory=list)       # 每次换出时那个请求已算好的 token 数
 
 
 class KVQuantEngine(ChunkedPrefillEngine):
@@ -88,5 +89,10 @@ class KVQuantEngine(ChunkedPrefillEngine):
         if sw is not None:
             now = (sw.num_swap_out, sw.num_swap_in, sw.bytes_out, sw.bytes_in, sw.seconds_out, sw.seconds_in)
             self.last_swap = SwapCounters(*(a - b for a, b in zip(now, before)),
-                                          recompute_preemptions=out.stats.preemptions - (now[0] - before[0]))
+                                          recompute_preemptions=self._sched.num_recompute_preemptions,
+                                          tokens=list(self._sched.swap_out_tokens))
         return out
+
+    def collect(self, stats, sched, seqs) -> None:
+        super().collect(stats, sched, seqs)
+        self._sched = sched          # generate 结束后读它的换出记录

@@ -33,6 +33,7 @@ class SwapScheduler(TokenBudgetScheduler):
         self.swapped: deque[Sequence] = deque()   # 被换出的请求，最早到达的在队头
         self.num_swap_outs = 0
         self.num_recompute_preemptions = 0
+        self.swap_out_tokens: list[int] = []      # 每次换出时那个请求已算好的 token 数（run.py 拿它算"重算要多久"）
 
     def has_work(self) -> bool:
         return bool(self.swapped) or super().has_work()
@@ -52,6 +53,7 @@ class SwapScheduler(TokenBudgetScheduler):
         seq.num_swaps += 1
         self.num_preemptions += 1
         self.num_swap_outs += 1
+        self.swap_out_tokens.append(seq.num_cached_tokens)
         self.swapped.appendleft(seq)                          # 被抢占的总是运行集合里最新的：它比已换出的都晚到
     # <<<
 
