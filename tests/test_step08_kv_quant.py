@@ -1,15 +1,23 @@
-"""step08（第一部分）：量化 / 反量化的误差界、字节公式对上张量大小、流式量化缓存写进去的码不再变、
-换出 / 换入逐位还原且第二层最后为空、质量指标在已知输入上的值。"""
+"""step08：量化 / 反量化的误差界、字节公式对上张量大小、流式量化缓存写进去的码不再变、
+换出 / 换入逐位还原且第二层最后为空、质量指标在已知输入上的值；分页引擎：精确模式与 step07 相同、
+换出模式与 step03 相同、量化池子的往返误差与字节、量化输出与调度无关、命令行的错误。"""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.compare import top2_margin
+from common.errors import UserError
+from conftest import cli_error, one_arch
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import generate
+from step04_static_batching.request import Request
+from step05_paged.paged_cache import PagedKVCache
+from step07_chunked_prefill.engine import ChunkedPrefillEngine
 from step08_kv_quant.dense_cache import QuantKVCache
+from step08_kv_quant.engine import KVQuantEngine, num_blocks_for_mib
+from step08_kv_quant.paged_quant import QuantPagedKVCache, kv_format
 from step08_kv_quant.quality import first_divergence, forced_logits, pool, teacher_forced_quality
 from step08_kv_quant.quant import (QuantizedBlocks, QuantScheme, compute_scale, dequantize, fake_quantize,
                                    kv_bytes_per_token, quantize)
@@ -250,29 +258,148 @@ def test_crossover_interpolates_between_measured_lengths():
 
 # ---------- 实验脚本的冒烟测试 ----------
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(real, tmp_path_factory):
-    """随机小模型 + 默认模型的分词器（与 test_run_chapter_mode.py 里的同名夹具相同）：章节提示词要用它编码。"""
-    import shutil
-
-    from conftest import make_tiny_model_dir
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok8"), "llama", vocab_size=real.cfg.vocab_size,
-                               max_position_embeddings=2048, eos_token_id=sorted(real.tok.eos_ids)[0])
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (real.path / name).exists():
-            shutil.copy(real.path / name, path / name)
-    return path
-
-
-def test_analyze_kv_quick_runs_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
+def test_analyze_kv_quick_runs_end_to_end(tiny_tok_dir, tmp_path, capsys):
     """在本进程里跑（省掉一次进程启动与 import）：--quick 的全部五节都走一遍，JSON 里有各节的数。"""
     import json
 
     from step08_kv_quant import analyze_kv
     png = tmp_path / "mag.png"
-    args = analyze_kv.parser().parse_args(["--quick", "--json", "--plot", str(png), "--model", str(tiny_with_tokenizer)])
+    args = analyze_kv.parser().parse_args(["--quick", "--json", "--plot", str(png), "--model", str(tiny_tok_dir)])
     assert analyze_kv.main(args) is True
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["figures"]
     assert {"k_outlier_ratio_median", "rel_error_k_int8_channel", "top1_int8_token_token",
             "nll_delta_fraction_fp8_token_token", "swap_vs_recompute_time_ratio_int8_64"} <= set(figures)
     assert png.stat().st_size > 0
+
+
+# ---------- 分页引擎（KVQuantEngine） ----------
+
+def engine_workload(sampled: bool = True) -> list[Request]:
+    """6 个请求：提示词 3–40 个 token，各生成 12–30 个（ignore_eos），奇数号带种子采样。"""
+    import random
+    rng = random.Random(3)
+    return [Request([rng.randrange(2, 256) for _ in range(rng.randint(3, 40))], rng.randint(12, 30),
+                    SamplingParams(temperature=0.9, top_p=0.95, seed=70 + i) if sampled and i % 2 else SamplingParams(),
+                    ignore_eos=True) for i in range(6)]
+
+
+def test_exact_mode_is_step07(tiny):
+    """默认（以及 --kv-dtype 等于模型 dtype）：用的就是 step05 的池子、step07 的调度，输出与每一次前向都与 step07 相同。"""
+    reqs = engine_workload()
+    ref, st7 = ChunkedPrefillEngine(tiny.model, 40, 4, 4, 16).generate(reqs)
+    for kw in ({}, {"kv_dtype": "float32"}):
+        e = KVQuantEngine(tiny.model, 40, 4, 4, 16, **kw)
+        assert type(e.cache) is PagedKVCache and e.fmt is None
+        out, st8 = e.generate(reqs)
+        assert out == ref
+        assert [(x.prefill, x.rows, x.width, x.tokens) for x in st8.steps] == \
+               [(x.prefill, x.rows, x.width, x.tokens) for x in st7.steps]
+        assert st8.preemptions == st7.preemptions > 0             # 40 块的池子装不下全部：抢占也一样发生
+
+
+@one_arch
+def test_swap_mode_equals_step03_with_preemptions(tiny):
+    reqs = engine_workload()
+    refs = [generate(tiny.model, r.prompt_ids, r.max_new_tokens, r.params, (), r.ignore_eos) for r in reqs]
+    e = KVQuantEngine(tiny.model, 24, 4, 4, 16, preempt="swap")
+    out, st = e.generate(reqs)
+    assert out == refs
+    assert e.last_swap.swap_outs == st.preemptions > 0 and e.last_swap.swap_ins == e.last_swap.swap_outs
+    assert e.last_swap.bytes_out == e.last_swap.bytes_in > 0
+    assert e.swap.num_used == 0 and not any(e.allocator.ref_counts)   # 两层最后都是空的
+
+
+@one_arch
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bfloat16"])
+def test_quantized_output_does_not_depend_on_scheduling(tiny, kv_dtype):
+    """token 粒度的码只取决于这个 token 的 K/V：换预算（分块不同）、换出再换入（块号不同），输出都不变。"""
+    reqs = engine_workload()
+    base, _ = KVQuantEngine(tiny.model, 200, 4, 6, 64, kv_dtype=kv_dtype).generate(reqs)
+    small, _ = KVQuantEngine(tiny.model, 200, 4, 3, 5, kv_dtype=kv_dtype).generate(reqs)
+    e = KVQuantEngine(tiny.model, 24, 4, 4, 16, kv_dtype=kv_dtype, preempt="swap")
+    swapped, st = e.generate(reqs)
+    assert small == base and swapped == base and st.preemptions > 0
+    assert e.swap.num_used == 0
+
+
+def fill_pool(tiny, fmt_name, T=23, bs=4):
+    """随机 K/V（带离群通道）经 QuantPagedForward.update 写进量化池子，返回 (池子, 块表, 原 K, 原 V, update 返回的 K, V)。"""
+    from step05_paged.sequence import Sequence
+    fmt = kv_format(fmt_name, torch.float32)
+    nb = -(-T // bs)
+    cache = QuantPagedKVCache(tiny.cfg, nb + 2, bs, "cpu", torch.float32, fmt)
+    seq = Sequence(Request(list(range(2, 2 + T)), 1), None, block_table=[nb + 1, *range(nb - 1, 0, -1), 0][:nb])
+    fwd = cache.plan([seq])
+    H_kv, D = tiny.cfg.num_kv_heads, tiny.cfg.head_dim
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(1, H_kv, T, D, generator=g)                               # (1, H_kv, T, D)
+    k[..., [3, 11]] = 20 * k[..., [3, 11]] + 30                               # 像真实的 K：两个离群通道
+    v = torch.randn(1, H_kv, T, D, generator=g)
+    k_out, v_out = fwd.update(0, k, v)
+    return cache, seq.block_table, k, v, k_out, v_out
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+@one_arch
+def test_quantized_pool_round_trip(tiny, fmt_name):
+    cache, table_, k, v, k_out, v_out = fill_pool(tiny, fmt_name)
+    T = k.shape[2]
+    (k_back, k_scale), (v_back, v_scale) = cache.read_tokens(0, table_, T)
+    # 全新的 prefill 返回的，与之后从池子里读回的逐位相同
+    assert torch.equal(k_out[0], k_back) and torch.equal(v_out[0], v_back)
+    for x, back, scale in ((k[0], k_back, k_scale), (v[0], v_back, v_scale)):
+        err = (back - x).abs()
+        if fmt_name == "int8":
+            assert bool((err <= scale / 2 * (1 + 1e-5)).all())                # 最多半个台阶
+        else:
+            assert bool((err <= torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8"])
+@one_arch
+def test_pool_bytes_formula_equals_tensor_sizes(tiny, kv_dtype):
+    e = KVQuantEngine(tiny.model, 7, 4, kv_dtype=kv_dtype)
+    assert e.pool_nbytes == (7 + 1) * 4 * e.bytes_per_token()                # 多一块空块
+    assert num_blocks_for_mib(tiny.cfg, 4, torch.float32, e.fmt, 1) == 2**20 // (4 * e.bytes_per_token())
+
+
+@one_arch
+def test_swap_restores_quantized_blocks_bit_for_bit(tiny):
+    cache, table_, *_ = fill_pool(tiny, "int8")
+    tensors = cache.tensors()
+    space = SwapSpace(tensors, num_cpu_blocks=len(table_), block_dim=2)
+    before = [t.clone() for t in tensors]
+    handle = space.swap_out(table_)
+    for t in tensors:
+        t.zero_()                                                           # 块还给池子、被别人覆盖
+    new = list(range(len(table_)))
+    space.swap_in(handle, new)
+    for t, b in zip(tensors, before):
+        for old_b, new_b in zip(table_, new):
+            assert torch.equal(t[:, :, new_b], b[:, :, old_b])
+    assert space.num_used == 0
+
+
+def test_bad_kv_dtype_and_preempt_are_errors(capsys):
+    from step08_kv_quant import run
+    assert "--kv-dtype" in cli_error(run, ["--prompt", "hi", "--kv-dtype", "int4"], capsys)
+    assert "--preempt" in cli_error(run, ["--prompt", "hi", "--preempt", "drop"], capsys)
+    assert "chunked" in cli_error(run, ["--prompt", "hi", "--preempt", "swap", "--no-chunked-prefill"], capsys)
+    with pytest.raises(UserError):
+        kv_format("int4", torch.float32)
+
+
+def test_generation_mode_with_int8_and_swap(tiny_tok_dir, capsys):
+    import json
+
+    from common import cli
+    from step08_kv_quant import run
+    argv = ["--model", str(tiny_tok_dir), "--prompt", "Hello there", "--prompt", "The three primary colors are",
+            "--max-new-tokens", "12", "--ignore-eos", "--kv-dtype", "int8", "--preempt", "swap", "--num-blocks", "2",
+            "--block-size", "8", "--json"]
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(run.make_parser(), run.main, argv)
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [len(r["output_ids"]) for r in out["results"]] == [12, 12]
+    assert out["stats"]["kv_dtype"] == "int8" and out["stats"]["swap_outs"] > 0
