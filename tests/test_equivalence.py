@@ -1,4 +1,4 @@
-"""所有引擎一起比：同一组请求经过 step01 … step05（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+"""所有引擎一起比：同一组请求经过 step01 … step06（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
 
 各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。
 加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
@@ -17,6 +17,7 @@ from step03_kvcache_single.engine import generate as generate03
 from step04_static_batching.engine import generate_batch
 from step04_static_batching.request import Request
 from step05_paged.engine import PagedEngine, blocks_needed
+from step06_prefix_cache.engine import PrefixCachingEngine
 
 
 @dataclass
@@ -43,14 +44,15 @@ def step04(max_batch_size):
     return run
 
 
-def step05(block_size, max_batch_size, pool: str):
+def step05(block_size, max_batch_size, pool: str, engine_cls=PagedEngine):
     """pool "roomy"：池子放得下全部请求；"tight"：只放得下最大的请求两份，一定会抢占。"""
     def run(model, requests, eos_ids):
         biggest = max(blocks_needed(r, block_size) for r in requests)
         num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
-        engine = PagedEngine(model, num_blocks, block_size, max_batch_size)
+        engine = engine_cls(model, num_blocks, block_size, max_batch_size)
         outputs, stats = engine.generate(requests, eos_ids)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
+        assert engine_cls is PagedEngine or sum(stats.cached_tokens) > 0, "step06 was meant to hit its cache"
         return outputs
     return run
 
@@ -64,11 +66,14 @@ ENGINES = [
     Engine("step04_batches_of_3", step04(max_batch_size=3)),
     Engine("step05_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy")),
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
+    Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", engine_cls=PrefixCachingEngine)),
+    Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
 ]
 
 
 def workload(seed: int, sampled: bool) -> list[Request]:
-    """8 个请求：提示词 1–40 个 token，新 token 3–24 个，一半 ignore_eos；sampled 时奇数号带种子采样。"""
+    """8 个请求：提示词 1–40 个 token（后 4 个接在前 4 个的提示词后面，step06 能命中），新 token 3–24 个，
+    一半 ignore_eos；sampled 时奇数号带种子采样。"""
     rng = random.Random(seed)
     requests = []
     for i in range(8):
@@ -77,6 +82,8 @@ def workload(seed: int, sampled: bool) -> list[Request]:
             params = SamplingParams(temperature=0.9, top_k=rng.choice([0, 40]), top_p=rng.choice([1.0, 0.9]),
                                     repetition_penalty=rng.choice([1.0, 1.2]), seed=100 + i)
         prompt = [rng.randrange(2, 256) for _ in range(rng.choice([1, 3, 7, 12, 25, 40]))]
+        if i >= 4:   # 与第 i-4 个请求共享前缀（step06 命中它写满的块）
+            prompt = requests[i - 4].prompt_ids + prompt[:8]
         requests.append(Request(prompt, rng.randint(3, 24), params, ignore_eos=i % 4 == 0))
     return requests
 
