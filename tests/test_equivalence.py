@@ -1,4 +1,4 @@
-"""所有引擎一起比：同一组请求经过 step01 … step06（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+"""所有引擎一起比：同一组请求经过 step01 … step06 与 step08 的精确模式（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
 
 各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。
 加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
@@ -6,6 +6,7 @@
 """
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import pytest
@@ -18,6 +19,7 @@ from step04_static_batching.engine import generate_batch
 from step04_static_batching.request import Request
 from step05_paged.engine import PagedEngine, blocks_needed
 from step06_prefix_cache.engine import PrefixCachingEngine
+from step08_kv_quant.engine import KVQuantEngine
 
 
 @dataclass
@@ -68,6 +70,10 @@ ENGINES = [
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
     Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", engine_cls=PrefixCachingEngine)),
     Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
+    # step08 的精确模式（--kv-dtype 默认 = 模型 dtype）：重算式与换出式抢占
+    Engine("step08_exact_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=KVQuantEngine)),
+    Engine("step08_exact_swap_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight",
+                                                  engine_cls=partial(KVQuantEngine, preempt="swap"))),
 ]
 
 
