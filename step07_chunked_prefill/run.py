@@ -37,7 +37,7 @@ from step07_chunked_prefill.varlen_bench import FLAT, PADDED, DENSE, compare as 
 from step07_chunked_prefill.workload import arrival_workload, check_workload, is_long, mid_prefill_preemption_workload  # noqa: E402
 
 STEP = "step07_chunked_prefill"
-LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}   # 三种混合前向的 logits 相对差
+LOGITS_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}   # 三种混合前向的 logits 相对差：矩阵形状不同，求和顺序不同
 
 
 def make_parser():
@@ -116,9 +116,10 @@ class Chapter:
         ref, st6 = self.step06().generate(reqs, self.eos)
         out, stn = self.step07(chunked_prefill=False).generate(reqs, self.eos)
         self.checks["no_chunked_prefill_equals_step06"] = out == ref and forward_shapes(stn) == forward_shapes(st6)
-        rows = [["step06", "-", st6.num_forwards, "-", "-", "(参考)"],
-                ["step07 --no-chunked-prefill", "-", stn.num_forwards, "-", "-",
+        rows = [["step06", "-", st6.num_forwards, "-", "-", f"{st6.prefill_padding_waste:.1%}", "(参考)"],
+                ["step07 --no-chunked-prefill", "-", stn.num_forwards, "-", "-", f"{stn.prefill_padding_waste:.1%}",
                  "输出与每一次前向都相同" if self.checks["no_chunked_prefill_equals_step06"] else "不同"]]
+        self.figures["step06_simultaneous_prefill_padding_waste"] = round(st6.prefill_padding_waste, 4)
         # 几种预算：1（每次前向只算 1 个 token，批大小也只能是 1）、B+1、奇数、质数
         budgets = [1, B + 1, 13, 31] + ([] if self.args.quick else [97])
         ok_all = True
@@ -128,9 +129,9 @@ class Chapter:
             greedy_ok, seeded_ok = self.compare(f"budget{budget}", reqs, ref, out)
             ok_all &= greedy_ok and seeded_ok and st.prefill_padding_slots == 0
             rows.append([f"step07 预算 {budget}", min(B, budget), st.num_forwards, max(ledger.chunks.values()),
-                         st.preemptions, "相同" if greedy_ok and seeded_ok else "不同"])
+                         st.preemptions, f"{st.prefill_padding_waste:.1%}", "相同" if greedy_ok and seeded_ok else "不同"])
         self.checks["every_budget_equals_step06"] = ok_all
-        print(table(["引擎", "批上限", "前向次数", "最多分几块", "抢占", "与 step06"], rows))
+        print(table(["引擎", "批上限", "前向次数", "最多分几块", "抢占", "prefill 填充", "与 step06"], rows))
         # 小池子：长提示词分块 prefill 到一半被抢占，之后重新接纳、命中自己已经登记的块
         reqs, small, budget = mid_prefill_preemption_workload(s.tok)
         ref, _ = self.step06().generate(reqs, self.eos)
@@ -213,7 +214,7 @@ class Chapter:
 
     # ---------- [3] 预算扫描 ----------
     def sweep(self):
-        budgets = [b for b in ([16, 128] if self.args.quick else [16, 32, 64, 128, 256, 512, 1024]) if b >= self.B]
+        budgets = [b for b in (sorted({16, 64, self.budget}) if self.args.quick else [16, 32, 64, 128, 256, 512, 1024]) if b >= self.B]
         stage(f"\n[3] 预算扫描 {budgets}：同一负载，每个预算跑一次 ...")
         rows, points = [latency_row("step06", self.st6, self.long)], []
         for b in budgets:
@@ -234,7 +235,7 @@ class Chapter:
         print(f"机器: {machine()}")
         print_comparison(res, contexts, chunk)
         self.checks["varlen_logits_equal_padded_and_dense"] = all(r["max_rel_diff"] <= LOGITS_TOL[self.s.dtype]
-                                                                  for r in res.values())
+                                                                  and r["same_argmax"] for r in res.values())
         self.figures.update({
             "varlen_step_ms": round(res[FLAT]["ms"], 2),
             "padded_step_ms_ratio_vs_varlen": round(res[PADDED]["ms"] / res[FLAT]["ms"], 3),
@@ -322,7 +323,7 @@ def plot_sweep(path, points, st6, workload) -> None:
         ax.set_xlabel("每次前向的 token 预算（max_num_batched_tokens）")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"预算越小，decode 越不被打断，长提示词的首 token 越晚\n{workload}", fontsize=9)
+    fig.suptitle(f"token 预算的取舍：首 token 延迟（左）与 decode 的间隔（右）\n{workload}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

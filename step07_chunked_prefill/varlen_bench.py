@@ -4,7 +4,7 @@
   左填充 + 掩码（step05 的 plan 直接用于混合批）  (B, L) 一批：decode 行也补齐到块的长度 L，线性层为填充付钱
   展平 + 块对角掩码（一行、一个掩码）          一行 T 个 query 对所有请求拼起来的 ΣS 个 key 算分数，再遮掉别人的
 
-run.py 的第 6 部分用 compare()；直接运行本文件可以换上下文和块的长度：
+run.py 的 [4] 用 compare()；直接运行本文件可以换上下文和块的长度：
 
     python step07_chunked_prefill/varlen_bench.py [--quick] [--contexts 280,310,295,330,270,305,320,290] [--chunk 200,56]
 
