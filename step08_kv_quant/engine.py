@@ -71,7 +71,8 @@ class KVQuantEngine(ChunkedPrefillEngine):
             tensors = self.cache.tensors() if self.fmt is not None else [self.cache.pool]
             self.swap = SwapSpace(tensors, swap_blocks or num_blocks, block_dim=2)
         self.budget_scheduler_cls = partial(SwapScheduler, swap=self.swap)
-        self.last_swap = SwapCounters()
+        self.last_swap = SwapCounters()   # 最近一次 generate 的换出账
+        self.last_scheduler = None
         # <<<
 
     @property
@@ -83,16 +84,17 @@ class KVQuantEngine(ChunkedPrefillEngine):
         return pool_bytes_per_token(self.model.cfg, self.block_size, self.model.dtype, self.fmt)
 
     def generate(self, requests, eos_ids=(), tokenizer=None, on_step=None):
+        """step07 的 generate 原样；--preempt swap 时另把这次运行的换出次数、字节、秒数记进 last_swap。"""
         sw = self.swap
         before = (sw.num_swap_out, sw.num_swap_in, sw.bytes_out, sw.bytes_in, sw.seconds_out, sw.seconds_in) if sw else None
         out = super().generate(requests, eos_ids, tokenizer, on_step)
         if sw is not None:
             now = (sw.num_swap_out, sw.num_swap_in, sw.bytes_out, sw.bytes_in, sw.seconds_out, sw.seconds_in)
             self.last_swap = SwapCounters(*(a - b for a, b in zip(now, before)),
-                                          recompute_preemptions=self._sched.num_recompute_preemptions,
-                                          tokens=list(self._sched.swap_out_tokens))
+                                          recompute_preemptions=self.last_scheduler.num_recompute_preemptions,
+                                          tokens=list(self.last_scheduler.swap_out_tokens))
         return out
 
     def collect(self, stats, sched, seqs) -> None:
         super().collect(stats, sched, seqs)
-        self._sched = sched          # generate 结束后读它的换出记录
+        self.last_scheduler = sched      # 这次 generate 的调度器：generate 结束后读它的换出记录

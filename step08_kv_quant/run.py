@@ -29,6 +29,7 @@ from step02_sampling.sampler import SamplingParams, draw_margin, params_from_arg
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import forward, generate as generate03  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
+from step05_paged.engine import DEFAULT_KV_MIB, blocks_needed  # noqa: E402
 from step05_paged.run import stage  # noqa: E402
 from step06_prefix_cache.run import pool_is_idle  # noqa: E402
 from step06_prefix_cache.workload import parallel_samples  # noqa: E402
@@ -39,7 +40,6 @@ from step08_kv_quant.engine import PREEMPT_CHOICES, KVQuantEngine, num_blocks_fo
 from step08_kv_quant.paged_quant import KV_DTYPE_CHOICES, QuantPagedKVCache, kv_format  # noqa: E402
 from step08_kv_quant.quality import first_divergence, pool as pool_quality, teacher_forced_quality  # noqa: E402
 from step08_kv_quant.swap_cost import crossover, measure_swap_vs_recompute  # noqa: E402
-from step05_paged.engine import DEFAULT_KV_MIB, blocks_needed  # noqa: E402
 
 STEP = "step08_kv_quant"
 LOSSY = ("int8", "fp8")
