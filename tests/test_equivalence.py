@@ -61,22 +61,15 @@ def step05(block_size, max_batch_size, pool: str, engine_cls=PagedEngine):
     return run
 
 
-def step06(block_size, max_batch_size):
-    def run(model, requests, eos_ids):
-        num_blocks = sum(blocks_needed(r, block_size) for r in requests)
-        return PrefixCachingEngine(model, num_blocks, block_size, max_batch_size).generate(requests, eos_ids).outputs
-    return run
-
-
 def step07(budget, max_batch_size, pool: str, gap_s: float = 0.0, engine_cls=ChunkedPrefillEngine):
-    """token 预算 budget；pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
+    """token 预算 budget，pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
     def run(model, requests, eos_ids):
         requests = [dataclasses.replace(r, arrival_s=i * gap_s) for i, r in enumerate(requests)]
         biggest = max(blocks_needed(r, 4) for r in requests)
         num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, 4) for r in requests)
-        engine = engine_cls(model, num_blocks, 4, max_batch_size, budget)
-        outputs, stats = engine.generate(requests, eos_ids)
+        outputs, stats = engine_cls(model, num_blocks, 4, max_batch_size, budget).generate(requests, eos_ids)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
+        assert stats.prefill_padding_slots == 0
         return outputs
     return run
 
@@ -92,7 +85,6 @@ ENGINES = [
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
     Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", engine_cls=PrefixCachingEngine)),
     Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
-    Engine("step06_prefix_cache", step06(block_size=4, max_batch_size=16)),
     Engine("step07_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight")),
     Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", gap_s=0.002)),
     # step08 的精确模式（--kv-dtype 默认 = 模型 dtype）：重算式与换出式抢占
