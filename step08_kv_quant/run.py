@@ -80,6 +80,7 @@ class Chapter:
         return all(c.ok for c in res)
 
     # ---------- [1] 精确模式 = step07；换出 = step03 ----------
+    @torch.inference_mode()
     def exactness(self):
         s = self.s
         # 正确性的负载在完整模式下也用 step07 的 --quick 那一份：检查的是"相同"，不需要更大的负载
@@ -178,6 +179,7 @@ class Chapter:
         print(table(["--kv-dtype", "每 token 字节（含 scale）", "÷ float32", "8 块的池子实际字节", "公式 × 槽数"], brows))
 
     # ---------- [3] 质量 ----------
+    @torch.inference_mode()
     def quality(self):
         s = self.s
         n_new = 8 if self.quick else 32
@@ -226,6 +228,7 @@ class Chapter:
         return self.s.model(fwd.input_ids, fwd.positions, fwd)[0]
 
     # ---------- [4] 容量、并发、吞吐 ----------
+    @torch.inference_mode()
     def capacity(self):
         s, cfg = self.s, self.s.cfg
         n, prompt_len, n_new = (8, 40, 16) if self.quick else (12, 96, 32)
@@ -287,6 +290,7 @@ class Chapter:
         print(table(["--kv-dtype", "decode 一步 (ms，中位数)", "吞吐 token/s", "读池子的字节（全部前向）"], drows))
 
     # ---------- [5] 换出 vs 重算 ----------
+    @torch.inference_mode()
     def swap_vs_recompute(self):
         s = self.s
         reqs, small, budget = mid_prefill_preemption_workload(s.tok)

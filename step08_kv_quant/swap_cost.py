@@ -58,6 +58,7 @@ def pool_tensors(cfg, num_blocks: int, block_size: int, device, dtype,
     return [t for st in stores for t in st.tensors()], 1
 
 
+@torch.inference_mode()   # 不建计算图：否则 prefill 的全部中间结果挂在缓存上，n = 1024 时要好几 GB
 def measure_swap_vs_recompute(model, lengths: list[int], block_size: int = 16, repeats: int = 3,
                               scheme: Optional[tuple[QuantScheme, QuantScheme]] = None) -> list[SwapVsRecompute]:
     """对每个长度 n：换出 + 换入 ⌈n / block_size⌉ 块的时间（中位数），与 prefill n 个 token 的时间（中位数）。"""
