@@ -6,18 +6,19 @@
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common import cli  # noqa: E402
-from common.bench import machine, median_time, memory_bandwidth, sync, table  # noqa: E402
+from common import cli, llamacpp  # noqa: E402
+from common.bench import (Roofline, machine, median_time, memory_bandwidth, profile_steps, stamps_of, table,  # noqa: E402
+                          weight_bytes_per_step)
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.hf_reference import hf_greedy, hf_logits, load_hf_model  # noqa: E402
+from common.prepare import default_model_dir  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.engine import generate as generate_step02  # noqa: E402
 from step02_sampling.sampler import SamplingParams, add_sampling_args, draw_margin, params_from_args  # noqa: E402
@@ -111,33 +112,8 @@ def check_memory(s: cli.Session, checks: dict) -> dict:
     return {"kv_bytes_per_token": kvb}
 
 
-def stamps_of(model, device, fn) -> list[float]:
-    """运行 fn()，返回每个 token 的延迟（秒）：第 1 个 = 从开始到第一次前向结束（TTFT），
-    之后每个 = 相邻两次前向结束的间隔（含采样）。钩子挂在模型上，引擎代码不用改。"""
-    times = []
-
-    def hook(m, inp, out):
-        sync(device)
-        times.append(time.perf_counter())
-
-    handle = model.register_forward_hook(hook)
-    try:
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-    finally:
-        handle.remove()
-    return [b - a for a, b in zip([t0] + times[:-1], times)]
-
-
-def weight_bytes_per_step(model) -> int:
-    """一次 decode 前向要读的权重字节数：全部参数，但词嵌入表只读 1 行（查表，不是矩阵乘）。"""
-    emb = model.embed_tokens.weight
-    return sum(p.nbytes for p in model.parameters()) - emb.nbytes + emb[0].nbytes
-
-
-def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
-    """同一提示词、几种生成长度：step02（朴素）/ cat / 预分配 的总时间、TTFT、TPOT、复制量；再比 HF 与 roofline。"""
+def benchmark(args, s: cli.Session, hf, kvb: int, checks: dict, notes: list) -> tuple[dict, dict]:
+    """同一提示词、几种生成长度：step02（朴素）/ cat / 预分配 的总时间、TTFT、TPOT、复制量；再比 HF、llama.cpp（装了的话）与 roofline。"""
     lengths = [16, 32, 64] if args.quick else [32, 64, 128, 256]
     repeats = 3 if args.quick else 5
     bandwidth = memory_bandwidth(s.device)                                     # 先测带宽：roofline 的分母
@@ -198,23 +174,44 @@ def benchmark(args, s: cli.Session, hf, kvb: int) -> tuple[dict, dict]:
     ours = (n - 1) / (total["prealloc", n] - ttft["prealloc"])                 # decode tokens/s
     theirs = (n - 1) / (hf_tn - hf_t1)
     # roofline：每个 decode 步至少要把权重读一遍，再读当时缓存里的全部 K/V（第 j 步有 P + j 个位置）
+    roof = Roofline(bandwidth)
     weights = weight_bytes_per_step(s.model)
-    step_bytes = [weights + (P + j) * kvb for j in range(1, n)]
-    roof_tpot = sum(step_bytes) / len(step_bytes) / bandwidth
+    step_bytes = sum(weights + (P + j) * kvb for j in range(1, n)) / (n - 1)         # 平均每步
+    frac = roof.fraction(step_bytes, 1 / ours)
     rows = [["HF generate", f"{theirs:.1f}", "1.00×", "-"],
-            ["step03 预分配", f"{ours:.1f}", f"{ours / theirs:.2f}×", f"{ours * roof_tpot:.0%}"],
-            ["roofline（带宽上限）", f"{1 / roof_tpot:.1f}", f"{1 / roof_tpot / theirs:.2f}×", "100%"]]
+            ["step03 预分配", f"{ours:.1f}", f"{ours / theirs:.2f}×", f"{frac:.0%}"]]
+    # llama.cpp（可选依赖，默认模型才有）：同一份权重写成的 F32 GGUF，同样的线程数、提示词、长度、贪心。
+    # --quick 不做：第一次要写 540 MB 的 GGUF，每次要加载它（CI 的章节模式要快）
+    is_default = s.path.resolve() == default_model_dir().resolve()
+    llama = None if args.quick else llamacpp.f32_decode_tok_s(s.path, ids, n, torch.get_num_threads(), repeats)
+    if llama is not None:
+        llama_tok_s, llama_tokens = llama
+        ref = generate(s.model, ids, n, greedy, ignore_eos=True)
+        c = compare("llama.cpp F32 vs step03", ids, ref, llama_tokens, s.full_logits, MARGIN_TOL[s.dtype])
+        checks["llamacpp_f32_equals_step03"] = c.ok        # token 一致，计时的比较才有意义
+        notes.append(c.describe())
+        llama_bytes = sum(weights + (P + j) * kvb / 2 for j in range(1, n)) / (n - 1)  # 它的 KV cache 是 f16
+        rows.append(["llama.cpp F32（同一份权重）", f"{llama_tok_s:.1f}", f"{llama_tok_s / theirs:.2f}×",
+                     f"{roof.fraction(llama_bytes, 1 / llama_tok_s):.0%}"])
+    rows.append(["roofline（带宽上限）", f"{1 / roof.seconds(step_bytes):.1f}",
+                 f"{1 / roof.seconds(step_bytes) / theirs:.2f}×", "100%"])
     print(f"\n单请求 decode 速度（N = {n}，decode tokens/s = (N − 1) / (总时间 − TTFT)；"
-          f"内存读带宽 {bandwidth / 1e9:.1f} GB/s，每步读权重 {weights / 2**20:.0f} MiB + "
-          f"KV 平均 {(sum(step_bytes) / len(step_bytes) - weights) / 2**20:.2f} MiB）:")
-    print(table(["引擎", "decode tokens/s", "对 HF", "占 roofline"], rows))
+          f"roofline 用本次实测的内存读带宽 {bandwidth / 1e9:.1f} GB/s，每步读权重 {weights / 2**20:.0f} MiB + "
+          f"KV 平均 {(step_bytes - weights) / 2**20:.2f} MiB）:")
+    print(table(["引擎", "decode tokens/s", "对 HF", f"占 roofline（@ {bandwidth / 1e9:.1f} GB/s）"], rows))
+    if llama is None and is_default and args.quick:
+        print("（--quick：跳过与 llama.cpp 的对照——要加载 540 MB 的 F32 GGUF；完整模式或 bench/decode_speed.py 会做）")
+    elif llama is None and is_default:
+        print(f"（要同时和 llama.cpp 比，安装可选依赖：{llamacpp.INSTALL}；逐级提速与对照见 bench/decode_speed.py）")
 
     latencies |= {e: stamps_of(s.model, s.device, lambda: run(e, n)) for e in CACHES}
     figures = {"speedup_vs_prev": round(total["step02", n] / total["prealloc", n], 3), "largest_new_tokens": n,
                "decode_tok_s": round(ours, 3), "hf_decode_tok_s": round(theirs, 3),
-               "ratio_vs_hf": round(ours / theirs, 3), "roofline_fraction": round(ours * roof_tpot, 4),
+               "ratio_vs_hf": round(ours / theirs, 3), "roofline_fraction": round(frac, 4),
                "ttft_ms": round(ttft["prealloc"] * 1e3, 2), "tpot_ms": round(1e3 / ours, 2),
                "bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    if llama is not None:
+        figures |= {"llamacpp_f32_decode_tok_s": round(llama_tok_s, 3), "ratio_vs_llamacpp_f32": round(ours / llama_tok_s, 3)}
     return figures, {"prompt_len": P, "latencies": latencies}
 
 
@@ -258,9 +255,8 @@ def prefill_flops(model, T: int) -> float:
     return 2 * layer_params * T + attention + 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def profile_decode(args, s: cli.Session) -> dict:
+def profile_decode(args, s: cli.Session, bandwidth: float) -> dict:
     """用 torch.profiler 看一次 decode 步的时间花在哪：矩阵乘（读权重）还是其余几百个小算子与 Python。"""
-    from torch.profiler import ProfilerActivity, profile
     ids = s.encode(CHAPTER_PROMPTS[0][1])
     steps = 8
     cache = PreallocKVCache(s.cfg, len(ids) + 2 * steps, s.device, s.dtype)
@@ -269,20 +265,17 @@ def profile_decode(args, s: cli.Session) -> dict:
         tok = ids[-1]                        # 喂什么 token 不影响耗时
         wall = median_time(lambda: forward(s.model, cache, [tok], cache.length), repeats=steps, warmup=0,
                            device=s.device)  # 不开剖析器时一步的真实耗时
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                forward(s.model, cache, [tok], cache.length)
-    events = prof.key_averages()
-    # 矩阵乘是少数几个长算子，剖析器给它们的计时可信；其余的小算子各自被剖析器拖慢，所以用"真实一步 − 矩阵乘"算
-    mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::bmm")) / steps / 1e6
-    calls = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")) / steps
+        prof = profile_steps(lambda: forward(s.model, cache, [tok], cache.length), steps)
+    # 矩阵乘的计时可信；其余小算子各自被剖析器拖慢，所以用"真实一步 − 矩阵乘"算它们
+    mm, calls = prof.matmul_s, prof.ops
     weights = weight_bytes_per_step(s.model)
     print(f"\n一次 decode 步的剖析（torch.profiler，{steps} 步平均）：一步 {wall * 1e3:.1f} ms，其中")
-    print(f"  矩阵乘 (aten::mm / bmm) {mm * 1e3:.1f} ms（{mm / wall:.0%}），折合读权重 {weights / mm / 1e9:.1f} GB/s；")
+    print(f"  矩阵乘 (aten::mm / bmm) {mm * 1e3:.1f} ms（{mm / wall:.0%}），折合读权重 {weights / mm / 1e9:.1f} GB/s"
+          f"（本次实测内存读带宽 {bandwidth / 1e9:.1f} GB/s）；")
     print(f"  其余 {(wall - mm) * 1e3:.1f} ms（{1 - mm / wall:.0%}）花在每步 {calls:.0f} 次从 Python 发出的小算子"
           f"（RMSNorm、RoPE、掩码、softmax、加法……）与 Python 本身上，平均每次 {(wall - mm) / calls * 1e6:.1f} µs")
     if args.profile:
-        print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+        print(prof.table)
     return {"decode_step_ms": round(wall * 1e3, 2), "matmul_ms_per_step": round(mm * 1e3, 2),
             "matmul_share": round(mm / wall, 3), "ops_per_step": round(calls)}
 
@@ -328,12 +321,12 @@ def chapter(args, s: cli.Session) -> bool:
     hf = load_hf_model(s.path, s.device, s.dtype)
     check_tokens(args, s, hf, checks, notes)
     figures = check_memory(s, checks)
-    bench_figures, bench = benchmark(args, s, hf, figures["kv_bytes_per_token"])
+    bench_figures, bench = benchmark(args, s, hf, figures["kv_bytes_per_token"], checks, notes)
     figures |= bench_figures
     del hf
     long = long_context(args, s, figures["bandwidth_gb_s"] * 1e9)
     figures["prefill_gflop_s"] = round(long["prefill_gflop_s"], 1)
-    figures |= profile_decode(args, s)
+    figures |= profile_decode(args, s, figures["bandwidth_gb_s"] * 1e9)
     if args.plot:
         save_plot(args.plot, bench, long)
     cli.print_checks(checks, notes)

