@@ -100,6 +100,7 @@ class PagedEngine:
     scheduler_cls = Scheduler
     sequence_cls = Sequence
     stats_cls = PagedStats
+    cache_cls = PagedKVCache      # step08 换成存量化码的池子（同样的构造参数）
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
@@ -109,7 +110,7 @@ class PagedEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.allocator = BlockAllocator(num_blocks)
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
-            self.cache = PagedKVCache(model.cfg, num_blocks, block_size, model.device, model.dtype)
+            self.cache = self.cache_cls(model.cfg, num_blocks, block_size, model.device, model.dtype)
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {num_blocks} blocks x {block_size} tokens: {e}") from None
 

@@ -52,6 +52,8 @@ class UncachedBlockAllocator(PrefixCachingBlockAllocator):
 
 
 class ChunkedPrefillEngine(PrefixCachingEngine):
+    budget_scheduler_cls = TokenBudgetScheduler   # step08 换成能换出的调度器（同样的构造参数）
+
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  prefix_caching: bool = True, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
@@ -76,7 +78,7 @@ class ChunkedPrefillEngine(PrefixCachingEngine):
         self.check_fits(requests)
         if tokenizer is None and any(r.stop for r in requests):
             raise ValueError("stop strings need a tokenizer to decode the generated text")
-        sched = TokenBudgetScheduler(self.allocator, self.block_size, self.max_batch_size, self.max_num_batched_tokens)
+        sched = self.budget_scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_num_batched_tokens)
         seqs = [self.sequence_cls(r, make_generator(r.params.seed, self.model.device)) for r in requests]
         stats = ChunkedStats()      # --no-chunked-prefill 走 step06 的 generate，记的还是 step06 的 PrefixStats
         clock = ArrivalClock(seqs)

@@ -1,4 +1,4 @@
-"""所有引擎一起比：同一组请求经过 step01 … step07（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+"""所有引擎一起比：同一组请求经过 step01 … step07 与 step08 的精确模式（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
 
 各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。
 加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
@@ -7,6 +7,7 @@
 import dataclasses
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import pytest
@@ -20,6 +21,7 @@ from step04_static_batching.request import Request
 from step05_paged.engine import PagedEngine, blocks_needed
 from step06_prefix_cache.engine import PrefixCachingEngine
 from step07_chunked_prefill.engine import ChunkedPrefillEngine
+from step08_kv_quant.engine import KVQuantEngine
 
 
 @dataclass
@@ -59,13 +61,13 @@ def step05(block_size, max_batch_size, pool: str, engine_cls=PagedEngine):
     return run
 
 
-def step07(budget, max_batch_size, pool: str, gap_s: float = 0.0):
+def step07(budget, max_batch_size, pool: str, gap_s: float = 0.0, engine_cls=ChunkedPrefillEngine):
     """token 预算 budget，pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
     def run(model, requests, eos_ids):
         requests = [dataclasses.replace(r, arrival_s=i * gap_s) for i, r in enumerate(requests)]
         biggest = max(blocks_needed(r, 4) for r in requests)
         num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, 4) for r in requests)
-        outputs, stats = ChunkedPrefillEngine(model, num_blocks, 4, max_batch_size, budget).generate(requests, eos_ids)
+        outputs, stats = engine_cls(model, num_blocks, 4, max_batch_size, budget).generate(requests, eos_ids)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
         assert stats.prefill_padding_slots == 0
         return outputs
@@ -85,6 +87,10 @@ ENGINES = [
     Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
     Engine("step07_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight")),
     Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", gap_s=0.002)),
+    # step08 的精确模式（--kv-dtype 默认 = 模型 dtype）：重算式与换出式抢占
+    Engine("step08_exact_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", engine_cls=KVQuantEngine)),
+    Engine("step08_exact_swap_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight",
+                                                           engine_cls=partial(KVQuantEngine, preempt="swap"))),
 ]
 
 

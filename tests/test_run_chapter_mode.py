@@ -27,6 +27,9 @@ REQUIRED_FIGURES = {
                             "multi_turn_hit_rate", "radix_vs_block_matched_tokens_ratio", "evictions"},
     "step07_chunked_prefill": {"tpot_p90_ratio_vs_step06", "max_stall_ratio_vs_step06", "throughput_ratio_vs_step06",
                                "ttft_p50_ratio_vs_step06", "prefill_padding_waste"},
+    "step08_kv_quant": {"kv_bytes_per_token_ratio", "top1_agreement", "nll_delta_fraction", "capacity_ratio_vs_float32",
+                        "throughput_ratio_vs_float32", "swap_vs_recompute_time_ratio", "fp8_top1_agreement",
+                        "fp8_nll_delta_fraction"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}
