@@ -329,14 +329,19 @@ def plot_sweep(path, points, st6, workload) -> None:
     plt.close(fig)
 
 
+def check_budget(args) -> None:
+    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token（step08 的 run.py 也用它）。"""
+    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                        f"--max-batch-size ({args.max_batch_size})")
+
+
 def main(args) -> bool:
     params = params_from_args(args)
     stop = tuple(args.stop or ())
     if any(not t for t in stop):
         raise UserError("--stop must not be empty")
-    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:   # 加载模型之前就报错
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-                        f"--max-batch-size ({args.max_batch_size})")
+    check_budget(args)
     s = cli.load_session(args)
     if args.prompt is None:
         return Chapter(args, s).run()

@@ -34,7 +34,7 @@ from step05_paged.run import stage  # noqa: E402
 from step06_prefix_cache.run import pool_is_idle  # noqa: E402
 from step06_prefix_cache.workload import parallel_samples  # noqa: E402
 from step07_chunked_prefill.engine import ChunkedPrefillEngine  # noqa: E402
-from step07_chunked_prefill.run import forward_shapes, make_parser as chunked_parser  # noqa: E402
+from step07_chunked_prefill.run import check_budget, forward_shapes, make_parser as chunked_parser  # noqa: E402
 from step07_chunked_prefill.workload import check_workload, mid_prefill_preemption_workload  # noqa: E402
 from step08_kv_quant.engine import PREEMPT_CHOICES, KVQuantEngine, num_blocks_for_mib, pool_bytes_per_token  # noqa: E402
 from step08_kv_quant.paged_quant import KV_DTYPE_CHOICES, QuantPagedKVCache, kv_format  # noqa: E402
@@ -368,9 +368,7 @@ def main(args) -> bool:
     stop = tuple(args.stop or ())
     if any(not t for t in stop):
         raise UserError("--stop must not be empty")
-    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:   # 加载模型之前就报错
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-                        f"--max-batch-size ({args.max_batch_size})")
+    check_budget(args)
     if args.preempt == "swap" and args.no_chunked_prefill:
         raise UserError("--preempt swap works with chunked prefill only (drop --no-chunked-prefill)")
     s = cli.load_session(args)
