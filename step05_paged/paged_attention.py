@@ -95,7 +95,7 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens) -> None:
 # 参考实现：第 05 章逐行讲的就是它
 # ---------------------------------------------------------------------------------------------------------------
 
-def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_lens, impl=None) -> torch.Tensor:
+def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_lens) -> torch.Tensor:
     """逐请求、逐块的 online softmax（FlashAttention / flash-decoding 的思路），纯 PyTorch，慢但好读。
 
     每个 query 行维护三样东西，每读一块就更新一次：
@@ -543,6 +543,7 @@ def paged_attention_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_lens)
         raise UserError(f"the C++ paged attention kernel could not be built: {_build_error}")
     if q.dtype != torch.float32 or q.device.type != "cpu":
         raise UserError(f"the C++ paged attention kernel runs on CPU float32 only, not {q.device}/{q.dtype}")
+    check_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens)   # 内核按这些形状算地址：先对上
     T, H, D = q.shape
     num_pool_blocks, H_kv, bs, _ = k_cache.shape
     # 内核假定：q 连续；一块里一个头的 block_size × D 个数连续；K 和 V 的块步长、头步长相同（池子的两个视图正是如此）
