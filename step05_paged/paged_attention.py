@@ -15,12 +15,14 @@
     "reference"  纯 PyTorch：逐请求、逐块的 online softmax。很慢，但每一行都对应第 05 章讲的一步；测试用它对照
     "cpp"        C++ 内核（本文件里的 KERNEL_SOURCE），第一次用时用 C++ 编译器现场编译、缓存下来；只支持 CPU float32
     "gather"     step05 原来的读法：按块表 index_select 出连续的 (B, H_kv, S, D)，再做普通注意力。会拷贝，但哪里都能跑
-    "flex"       torch.nn.attention.flex_attention：把整个池子看成一条长序列，用块表造 BlockMask，只访问各请求自己的块
+    "flex"       torch.nn.attention.flex_attention：把整个池子看成一条长序列，用块表造 BlockMask，只访问各请求自己的块。
+                 每个新形状要 torch.compile 十几秒，编好后在这台 CPU 上也比 "cpp" 慢；它按整块读，最后一块没写到的
+                 尾巴若是 NaN 会混进输出（0 × NaN）。留着作对照（bench/paged_attention_bench.py）
     "auto"       CPU + float32 且内核编得出来 → "cpp"；编不出来（没有编译器）→ "gather"，并在 stderr 打印一行说明；
                  其它设备 / dtype（CUDA、bfloat16）→ "gather"（我们测不了 CUDA，那里取最简单、显然正确的一条）
 
 内核的编译缓存在 <缓存目录>/kernels/（缓存目录默认 ~/.cache/llm-from-scratch，环境变量 LLM_FROM_SCRATCH_CACHE
-可改；与默认模型同一个根目录）。清掉它：rm -rf ~/.cache/llm-from-scratch/kernels（下次使用时重新编译，约 1 秒）。
+可改；与默认模型同一个根目录）。清掉它：rm -rf ~/.cache/llm-from-scratch/kernels（下次使用时重新编译，2 核机器上几秒）。
 """
 import ctypes
 import hashlib
@@ -35,7 +37,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from common.errors import UserError
 from common.model import attention
@@ -497,7 +498,7 @@ def build_kernel(directory: Optional[Path] = None) -> Path:
             raise KernelBuildError(f"{cxx} failed: {e}") from None
         if r.returncode != 0:
             first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
-            raise KernelBuildError(f"{cxx} exited with {r.returncode}: {first}")
+            raise KernelBuildError(f"{cxx} exited with {r.returncode}" + (f": {first}" if first else ""))
         os.replace(tmp_lib, lib)
     return lib
 
