@@ -62,8 +62,8 @@ def sdpa_on_gathered(q, k_cache, v_cache, block_tables, seq_lens, query_lens):
     return torch.cat(outs)
 
 
-# decode：长度 1、不到一块、正好满块、满块 + 1、普通；chunk：分块 prefill，前面已有若干 key（包括从 0 开始的整段 prefill）
-SHAPES = {"decode": ([37, 5, 48, 49, 1], [1, 1, 1, 1, 1]),
+# decode：普通（请求 1 与请求 0 共用前两块）、正好满块、满块 + 1、长度 1；chunk：分块 prefill，前面已有若干 key（包括从 0 开始的整段 prefill）
+SHAPES = {"decode": ([37, 45, 48, 49, 1], [1, 1, 1, 1, 1]),
           "chunk": ([37, 40, 16, 70, 9], [7, 40, 3, 1, 9])}
 
 
