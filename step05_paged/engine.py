@@ -25,7 +25,7 @@ from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache
+from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
 
@@ -38,11 +38,14 @@ class EngineConfig:
     block_size: int = 16
     max_batch_size: int = 8          # 运行集合最多几个请求
     max_prefill_tokens: int = 2048   # 一次 prefill 前向最多 B × L 个 token 位置（限制 CPU 上的峰值内存和单步延迟）
+    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_prefill_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
 
 
 def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: int = DEFAULT_KV_MIB) -> int:
@@ -68,7 +71,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_tokens)
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
-            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype)
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
+                                         config.attention)
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from common.errors import UserError
 from common.model import attention
@@ -50,7 +51,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, imp
     check_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens)
     impl = resolve_impl(impl, q.device, q.dtype)
     if impl == "cpp":
-        return paged_attention_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_lens)
+        with record_function("paged_attention"):    # ctypes 调用不是 aten 算子：标出来，剖析器里才看得到内核
+            return paged_attention_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_lens)
     if impl == "gather":
         return paged_attention_gather(q, k_cache, v_cache, block_tables, seq_lens, query_lens)
     if impl == "flex":

@@ -39,7 +39,7 @@ from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache
+from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .quant import kv_format
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
@@ -57,6 +57,7 @@ class EngineConfig:
     max_batch_size: int = 8          # 运行集合最多几个请求
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
     enable_prefix_caching: bool = True
+    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
     kv_dtype: Optional[str] = None   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
     preempt: str = "recompute"       # "swap"：抢占时换出到第二层
     swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
@@ -65,6 +66,8 @@ class EngineConfig:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
         if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
             raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                             f"--max-batch-size ({self.max_batch_size})")
@@ -99,7 +102,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
             self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
-                                         kv_format(config.kv_dtype, model.dtype))
+                                         config.attention, kv_format(config.kv_dtype, model.dtype))
             self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2)
                          if config.preempt == "swap" else None)
         except (RuntimeError, MemoryError) as e:
