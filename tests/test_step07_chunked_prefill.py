@@ -65,8 +65,8 @@ def spy_schedule(engine) -> list[list[tuple]]:
 
     def schedule():
         out = orig()
-        log.append([(s.request_id, n, getattr(s, "in_prefill", None), s.num_preemptions, s.num_computed_tokens + n == s.num_tokens)
-                    for s, n in zip(out.seqs, out.num_new_tokens)])
+        log.append([(s.request_id, n, getattr(s, "in_prefill", None), s.num_preemptions,   # step05/06 没有 in_prefill
+                     s.num_computed_tokens + n == s.num_tokens) for s, n in zip(out.seqs, out.num_new_tokens)])
         return out
     engine.scheduler.schedule = schedule
     return log
@@ -214,8 +214,9 @@ def test_recompute_ending_in_a_one_token_chunk_is_not_counted_as_decode(tiny):
     log = spy_schedule(engine)
     out, st = engine.generate(reqs)
     assert out == step03_outputs(tiny.model, reqs)
-    hits = [i for i, step_ in enumerate(log)
-            if any(pf and pre and n == 1 and last for _, n, pf, pre, last in step_) and any(not pf for _, _, pf, *_ in step_)]
+    hits = [i for i, step_ in enumerate(log)                   # 重算的最后 1 个 token 与别人的 decode 同一步
+            if any(pf and pre and n == 1 and last for _, n, pf, pre, last in step_)
+            and any(not pf for _, _, pf, *_ in step_)]
     assert hits, "the workload no longer makes a recompute end with a 1-token chunk next to a decode"
     for i in hits:
         assert st.steps[i].prefill and st.steps[i].tokens == 2 and st.steps[i].decode_tokens == 1
@@ -329,7 +330,8 @@ def test_requests_are_scheduled_only_after_they_arrive(tiny):
         assert st.token_s == expect[name], name
         assert st.idle_s == 1000 - 6 and st.wall_s == 8, name       # 8 步；6 → 1000 之间没有请求可做
         # 第 k 步调度了谁：B 最早出现在第 3 步，C 在第 6 步（时钟跳到 1000 后的第一步）
-        first_step = {rid: min(i for i, step_ in enumerate(log) if any(r == rid for r, *_ in step_)) for rid in (0, 1, 2)}
+        first_step = {rid: min(i for i, step_ in enumerate(log) if any(r == rid for r, *_ in step_))
+                      for rid in (0, 1, 2)}
         assert first_step == {0: 0, 1: 3, 2: 6}, name
         assert all(t >= arr for ts, arr in zip(st.token_s, st.arrival_s) for t in ts)
         assert_idle(engine)
@@ -356,8 +358,8 @@ def test_soak_arrivals_shared_prefixes_tiny_pool_equals_step03(tiny):
     for i in range(30):
         params = SamplingParams(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 20]), seed=i) \
             if rng.random() < 0.4 else SamplingParams()
-        arrivals.append(Arrival(t, Request(rng.choice(prefixes) + [rng.randrange(2, 256) for _ in range(rng.randint(0, 12))],
-                                           rng.randint(1, 14), params, ignore_eos=rng.random() < 0.5)))
+        prompt = rng.choice(prefixes) + [rng.randrange(2, 256) for _ in range(rng.randint(0, 12))]
+        arrivals.append(Arrival(t, Request(prompt, rng.randint(1, 14), params, ignore_eos=rng.random() < 0.5)))
         t += rng.uniform(0, 1.5)
     reqs = [a.request for a in arrivals]
     ref = step03_outputs(tiny.model, reqs, [1])
@@ -484,5 +486,6 @@ def test_run_py_no_chunked_prefill_runs_the_previous_steps_engine(tiny_tok_dir, 
 
 
 def test_run_py_budget_below_batch_size_is_a_user_error(tiny_tok_dir, capsys):
-    line = cli_error(step07_run, ["--model", str(tiny_tok_dir), "--prompt", "hi", "--max-num-batched-tokens", "4"], capsys)
+    line = cli_error(step07_run, ["--model", str(tiny_tok_dir), "--prompt", "hi", "--max-num-batched-tokens", "4"],
+                     capsys)
     assert "at least --max-batch-size" in line

@@ -183,7 +183,8 @@ def test_kv_format_encode_handles_zero_tiny_nan_and_inf_rows(name):
     assert torch.equal(back, fmt.decode(codes, scale, torch.float32)) and bool(torch.isfinite(back).all())
     assert torch.equal(back[0, 0], torch.zeros(16)) and torch.equal(back[3, 1], torch.zeros(16))
     assert bool(((back[1, 1] - x[1, 1]).abs() <= error_bound(x[1, 1], scale[1, 1], name)).all())
-    assert float(back[2, 0, 3]) == 0 and float(back[2, 1, 0]) == pytest.approx(QMAX[name] * float(scale[2, 1]), rel=1e-6)
+    assert float(back[2, 0, 3]) == 0
+    assert float(back[2, 1, 0]) == pytest.approx(QMAX[name] * float(scale[2, 1]), rel=1e-6)
 
 
 # ---------- 字节公式 = 张量实际大小 ----------
@@ -287,7 +288,8 @@ def test_quantized_dense_cache_in_step03_generate_equals_a_fake_quant_reference(
     schemes, n = (k_scheme, QuantScheme("int8", "token")), 20
     got = generate(m, ids, n, SamplingParams(), ignore_eos=True,
                    cache=QuantKVCache(cfg, len(ids) + n - 1, "cpu", torch.float32, *schemes, block_size=4))
-    ref = generate(m, ids, n, SamplingParams(), ignore_eos=True, cache=FakeQuantCache(cfg, len(ids) + n - 1, schemes, 4))
+    ref = generate(m, ids, n, SamplingParams(), ignore_eos=True,
+                   cache=FakeQuantCache(cfg, len(ids) + n - 1, schemes, 4))
     assert got == ref
     seq = ids + ref
     a = forced_logits(m, QuantKVCache(cfg, len(seq), "cpu", torch.float32, *schemes, block_size=4), seq, len(ids))
@@ -540,7 +542,7 @@ def fill_pool(tiny, fmt_name, T=23, bs=4, k=None, v=None):
 def read_pool(cache: PagedKVCache, layer: int, table: list[int], length: int):
     """直接读池子（不经过引擎的读路径）：一个请求前 length 个位置的 (码, scale)，K、V 各 (H_kv, length, ·)。"""
     blocks = torch.tensor(table)
-    flat = lambda t: t.transpose(0, 1).flatten(1, 2)[:, :length]              # noqa: E731  (n, H_kv, bs, ·) -> (H_kv, length, ·)
+    flat = lambda t: t.transpose(0, 1).flatten(1, 2)[:, :length]   # noqa: E731  (n, H_kv, bs, ·) -> (H_kv, length, ·)
     return [(flat(cache.pool[layer, kv, blocks]), flat(cache.scales[layer, kv, blocks])) for kv in range(2)]
 
 
@@ -575,7 +577,8 @@ def test_zero_tiny_and_nan_rows_through_the_pool(tiny, fmt_name):
     assert bool(torch.isfinite(k_out).all()) and torch.equal(k_out[0], back)
     assert torch.equal(back[:, 1], torch.zeros(H_kv, D))
     assert bool((scale[:, 4] >= SCALE_FLOOR).all()) and float(back[:, 4].abs().max()) <= 1e-38
-    assert float(back[0, 6, 2]) == 0 and float(back[1, 6, 5]) == pytest.approx(QMAX[fmt_name] * float(scale[1, 6]), rel=1e-6)
+    assert float(back[0, 6, 2]) == 0
+    assert float(back[1, 6, 5]) == pytest.approx(QMAX[fmt_name] * float(scale[1, 6]), rel=1e-6)
     clean, *_ = fill_pool(tiny, fmt_name, T=T, k=clean_k, v=v)
     (clean_codes, _), _ = read_pool(clean, 0, table, T)
     others = [t for t in range(T) if t not in (1, 4, 6)]
@@ -706,8 +709,9 @@ def test_recompute_ending_in_a_one_token_chunk_is_not_counted_as_decode(tiny):
     log = spy_schedule(e)
     out, st = e.generate(reqs)
     assert out == step03_outputs(tiny.model, reqs)
-    hits = [i for i, step_ in enumerate(log)
-            if any(pf and pre and n == 1 and last for _, n, pf, pre, last in step_) and any(not pf for _, _, pf, *_ in step_)]
+    hits = [i for i, step_ in enumerate(log)                   # 重算的最后 1 个 token 与别人的 decode 同一步
+            if any(pf and pre and n == 1 and last for _, n, pf, pre, last in step_)
+            and any(not pf for _, _, pf, *_ in step_)]
     assert hits, "the workload no longer makes a recompute end with a 1-token chunk next to a decode"
     for i in hits:
         assert st.steps[i].prefill and st.steps[i].tokens == 2 and st.steps[i].decode_tokens == 1
@@ -763,7 +767,8 @@ def test_generation_mode_with_int8_and_swap_equals_step03(tiny_tok_dir, tok_mode
     """--kv-dtype int8 --preempt swap、2 块的池子（两个请求放不下，一定换出）：每个输出与 step03 + 同样量化的
     单请求缓存逐 token 相同。"""
     argv = ["--model", str(tiny_tok_dir), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "12",
-            "--ignore-eos", "--kv-dtype", "int8", "--preempt", "swap", "--num-blocks", "2", "--block-size", "8", "--json"]
+            "--ignore-eos", "--kv-dtype", "int8", "--preempt", "swap", "--num-blocks", "2", "--block-size", "8",
+            "--json"]
     out = run_json(argv, capsys)
     assert out["stats"]["kv_dtype"] == "int8" and out["stats"]["swap_outs"] > 0
     reqs = [Request(x["prompt_ids"], 12, ignore_eos=True) for x in out["results"]]
