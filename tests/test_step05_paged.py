@@ -60,7 +60,7 @@ ops = st.lists(st.tuples(st.sampled_from(["allocate", "admit", "grow", "free"]),
 
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(1, 16), block_size=st.integers(1, 4), ops=ops)
-def test_block_manager_invariants_under_random_operations(num_blocks, block_size, ops):
+def test_allocator_invariants_under_random_operations(num_blocks, block_size, ops):
     """allocate(n) 直接拿块；admit 按一个 n+1 个 token 的请求分块（allocate_seq）；grow 让一个请求 decode n 个 token，
     每写满一块加一块（needs_slot / append_slot）；free 还回一个块表（请求用 free_seq）。"""
     bm = BlockManager(num_blocks, block_size)

@@ -174,7 +174,7 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "grow", "readmit", "free"]), 
 @pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["chain_hash", "forced_collisions"])
 @settings(max_examples=250, deadline=None)
 @given(num_blocks=st.integers(1, 10), block_size=st.integers(1, 3), ops=ops)
-def test_block_manager_invariants_and_hits_hold_the_right_kv(hash_fn, num_blocks, block_size, ops):
+def test_pool_invariants_and_hits_hold_the_right_kv(hash_fn, num_blocks, block_size, ops):
     """不变量见 check_pool。每次命中都检查：命中的块里存的正是这段前缀在这些位置上的 K/V（模拟池里记的是写它时的
     整段前缀）——哈希碰撞时也必须如此。readmit = 抢占（还回全部块）再重新接纳：提示词 + 已生成的部分再查一次缓存。"""
     bm = BlockManager(num_blocks, block_size, hash_fn)
