@@ -155,8 +155,9 @@ def new_tokens(seqs) -> list[int]:
 
 @one_arch
 def test_plan_by_hand(tiny):
-    """块大小 4：A 有 3 个 token、块表 [3]；B 有 6 个、块表 [0, 2]。左填充到 L = 6。"""
-    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
+    """块大小 4：A 有 3 个 token、块表 [3]；B 有 6 个、块表 [0, 2]。左填充到 L = 6。gather 的读法（行号、掩码、
+    V 尾巴）；最后看 paged 的 plan：同样的写入，读只要块表和每行的长度。"""
+    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, attention="gather")
     a, b = seq_with(3, [3]), seq_with(6, [0, 2])
     p = cache.plan([a, b], [3, 6])
     assert p.input_ids.tolist() == [[0, 0, 0, 100, 101, 102], [100, 101, 102, 103, 104, 105]]
@@ -187,6 +188,11 @@ def test_plan_by_hand(tiny):
     tail = [(r // S // H, r // S % H, r % S) for r in p.v_tail_rows.tolist()]    # v_all 看成 (B·H_kv·S, D) 的行号
     assert tail == [(1, h, 7) for h in range(H)]
     assert not cache.pool[:, 1, cache.null_block].any()
+    # paged：同样的槽号，不建读的行号和缓冲；内核要的是 int32 的块表、每行 key 数与 query 数
+    paged = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32).plan([a, b], [1, 1])
+    assert paged.slot_mapping.tolist() == p.slot_mapping.tolist() and paged.read_rows is None
+    assert paged.block_tables.dtype == torch.int32 and paged.block_tables.tolist() == [[3, 4], [0, 2]]
+    assert paged.seq_lens.tolist() == [4, 7] and paged.query_lens.tolist() == [1, 1]
 
 
 @one_arch
@@ -205,7 +211,7 @@ def test_block_table_gather_equals_contiguous_cache(tiny):
     """同样的 K/V 分别写进分页池（块表打乱、跨块）和 step03 的 PreallocKVCache：prefill 不读池子，直接用自己的 K/V；
     之后每个 decode 步每层按块表读回的 K/V 与连续缓存完全相同（每行自己长度之内）。"""
     cfg, bs, H_kv, D = tiny.cfg, 4, tiny.cfg.num_kv_heads, tiny.cfg.head_dim
-    cache = PagedKVCache(cfg, num_blocks=12, block_size=bs, device="cpu", dtype=torch.float32)
+    cache = PagedKVCache(cfg, num_blocks=12, block_size=bs, device="cpu", dtype=torch.float32, attention="gather")
     seqs = [seq_with(7, [7, 2]), seq_with(11, [0, 9, 4]), seq_with(1, [5])]
     dense = [PreallocKVCache(cfg, 16, "cpu", torch.float32) for _ in seqs]
     g = torch.Generator().manual_seed(0)
@@ -252,7 +258,7 @@ def test_gather_bytes_equal_the_formula_by_hand(tiny):
     tiny：2 层、H_kv = 2、D = 16、float32 → 每 token 的 K/V 2 × 2 × 2 × 16 × 4 = 512 字节，
     一步 = B × max_blocks × block_size × 512 = 2 × 2 × 4 × 512 = 8192 字节（其中 A 补齐的空块占 4 × 512）。"""
     assert tiny.cfg.kv_bytes_per_token(4) == 512
-    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, attention="gather")
     a, b = seq_with(3, [3]), seq_with(6, [0, 2])
     p = cache.plan([a, b], [3, 6])
     run_model(tiny.model, p)
@@ -263,6 +269,12 @@ def test_gather_bytes_equal_the_formula_by_hand(tiny):
     p = cache.plan([a, b], [1, 1])
     run_model(tiny.model, p)
     assert p.gather_bytes == 8192
+    paged = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)                 # paged：同样的一步，一个字节都不拷
+    for seq in (a, b):
+        seq.num_computed_tokens -= 1
+    p = paged.plan([a, b], [1, 1])
+    run_model(tiny.model, p)
+    assert p.gather_bytes == 0 and p.read_buf is None
 
 
 def poisoned_run(model, requests, num_blocks, value):
@@ -291,9 +303,10 @@ def test_poisoned_pool_does_not_change_outputs(tiny, value):
 
 @torch.inference_mode()   # 引擎在 inference_mode 里前向（读路径的 index_select(out=) 不支持求导）
 @one_arch
-def test_decode_logits_bitwise_equal_with_poisoned_null_block(tiny):
+@pytest.mark.parametrize("attention", ["gather", "paged"])
+def test_decode_logits_bitwise_equal_with_poisoned_null_block(tiny, attention):
     """更直接：同一个 decode 步，空块和最后一块的尾巴里是 0 还是 NaN，logits 逐位相同（不是"差不多"）。"""
-    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedKVCache(tiny.cfg, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, attention=attention)
     a, b = seq_with(2, [1]), seq_with(9, [0, 3, 2])
     run_model(tiny.model, cache.plan([a, b], [2, 9]))
     for seq in (a, b):
@@ -309,11 +322,12 @@ def test_decode_logits_bitwise_equal_with_poisoned_null_block(tiny):
 
 @torch.inference_mode()   # 引擎在 inference_mode 里前向（读路径的 index_select(out=) 不支持求导）
 @one_arch
-def test_prefill_with_a_computed_prefix_reads_the_prefix_from_the_pool(tiny):
+@pytest.mark.parametrize("attention", ["gather", "paged"])
+def test_prefill_with_a_computed_prefix_reads_the_prefix_from_the_pool(tiny, attention):
     """step06（前缀缓存）要走的路径，plan 现在就支持：一个请求前 8 个 token 的 K/V 已经在池子里（两整块），
     这一步 prefill 剩下的 3 个；同一次前向里还有一个全新的请求。前缀行读池子（它自己的块 + 刚写进去的新 token），
     全新的行在同一个张量里；两行每个位置的 logits 都与不用缓存、整段重算的结果相同（浮点容差内）。"""
-    cache = PagedKVCache(tiny.cfg, num_blocks=8, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedKVCache(tiny.cfg, num_blocks=8, block_size=4, device="cpu", dtype=torch.float32, attention=attention)
     ids = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     prefix = make_seq(ids[:8])
     prefix.block_table = [5, 2]
@@ -322,10 +336,11 @@ def test_prefill_with_a_computed_prefix_reads_the_prefix_from_the_pool(tiny):
     full.block_table, full.num_computed_tokens = [5, 2, 7], 8   # 前 8 个已在池子里（块 5、2）
     fresh = seq_with(5, [0, 1])                                  # 全新：5 个 token
     p = cache.plan([full, fresh], [3, 5])
-    assert p.read_rows is not None and p.input_ids.shape == (2, 5)
+    assert (p.read_rows is not None) == (attention == "gather") and p.input_ids.shape == (2, 5)
     assert p.positions.tolist() == [[0, 0, 8, 9, 10], [0, 1, 2, 3, 4]]
     logits = tiny.model(p.input_ids, p.positions, p)    # (2, 5, V)
-    assert p.gather_bytes == tiny.cfg.num_layers * 2 * 2 * tiny.cfg.num_kv_heads * 3 * 4 * tiny.cfg.head_dim * 4
+    copied = tiny.cfg.num_layers * 2 * 2 * tiny.cfg.num_kv_heads * 3 * 4 * tiny.cfg.head_dim * 4
+    assert p.gather_bytes == (copied if attention == "gather" else 0)
     for row, seq, n in ((0, full, 3), (1, fresh, 5)):
         t = seq.token_ids
         ref = tiny.model(torch.tensor([t]), torch.arange(len(t))[None])[0, -n:]
@@ -422,21 +437,20 @@ def test_tiny_pool_forces_preemption_and_stays_token_exact(tiny):
 
 
 @one_arch
-def test_kv_waste_accounting_by_hand(tiny):
-    """提示词 5、块大小 4、生成 3 个：前两次前向之后持有 2 块 = 8 槽，池子里有 5、6 个 token。"""
-    engine = LLMEngine(tiny.model, EngineConfig(num_blocks=4, block_size=4))
+@pytest.mark.parametrize("attention", ["gather", "paged"])
+def test_kv_waste_accounting_by_hand(tiny, attention):
+    """提示词 5、块大小 4、生成 3 个：前两次前向之后持有 2 块 = 8 槽，池子里有 5、6 个 token。
+    gather 每个 decode 步拷出 1 行 × 2 块；paged 一个字节都不拷。"""
+    engine = LLMEngine(tiny.model, EngineConfig(num_blocks=4, block_size=4, attention=attention))
     _, st = engine.generate([Request([5, 6, 7, 8, 9], 3, ignore_eos=True)])
     assert (st.num_forwards, st.prefill_steps, st.decode_steps, st.prefill_tokens) == (3, 1, 2, 5)
     assert [(x.kv_slots_held, x.kv_slots_used) for x in st.steps[:2]] == [(8, 5), (8, 6)]
     # decode 步按块表读：每步 1 行 × 2 块 × 4 槽 × 每 token 512 字节
-    assert [x.gather_bytes for x in st.steps] == [0, 2 * 4 * 512, 2 * 4 * 512]
+    assert [x.gather_bytes for x in st.steps] == ([0, 2 * 4 * 512, 2 * 4 * 512] if attention == "gather" else [0, 0, 0])
     assert [(x.rows, x.width, x.tokens, x.decode_tokens) for x in st.steps] == [(1, 5, 5, 0), (1, 1, 1, 1), (1, 1, 1, 1)]
     assert st.cached_tokens == [0] and st.preempted == [0]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: _record() samples kv_slots_held/used and num_running after "
-                   "_postprocess() has already freed the requests that finished in this step, so a request's last "
-                   "forward counts as 0 held slots and 0 running (old engine and common/stats.py: 'after the forward')")
 @one_arch
 def test_the_last_forward_of_a_request_counts_in_kv_waste_and_concurrency(tiny):
     """"每次前向之后采样一次"：一个请求最后一次前向时它的块还在池子里、它也在批里。上面手算的例子第 3 次前向之后
@@ -625,8 +639,8 @@ def test_abort_waiting_and_running_frees_blocks_at_once(tiny):
 
 @one_arch
 def test_abort_the_only_request_and_has_unfinished_requests(tiny):
-    """唯一的请求 abort 之后 has_unfinished_requests() 立刻为 False，但下一次 step() 仍然报告它（不做前向），
-    再下一次什么也没有。到达时刻是 add_request 时时钟的读数。"""
+    """abort 立刻还块；has_unfinished_requests() 在 abort 的结果交出去之前仍为 True（`while has_unfinished_requests():
+    step()` 的循环才收得到它），下一次 step() 报告它（不做前向），之后为 False。到达时刻是 add_request 时时钟的读数。"""
     clock = VirtualClock()
     engine = LLMEngine(tiny.model, EngineConfig(num_blocks=8, block_size=4), clock=clock)
     rid = engine.add_request(Request([3, 4, 5], 4))
@@ -635,8 +649,9 @@ def test_abort_the_only_request_and_has_unfinished_requests(tiny):
     assert [engine.seqs[r].arrival_time for r in (rid, rid2)] == [0.0, 2.0]
     engine.abort(rid)
     engine.abort(rid2)
-    assert not engine.has_unfinished_requests()
+    assert engine.has_unfinished_requests() and not engine.seqs and not engine.scheduler.waiting
     assert engine.step() == [RequestOutput(rid, [], True, "abort"), RequestOutput(rid2, [], True, "abort")]
+    assert not engine.has_unfinished_requests()
     assert engine.step() == [] and engine.step_stats == []              # 没有做任何前向
     assert_pool_free(engine)
 
@@ -691,7 +706,7 @@ def test_alternative_reads_in_decode_bench_compute_the_same_logits(tiny):
     """analysis/decode_bench.py 里比较速度的几种读法必须算的是同一个东西：池子里放随机数，同一个 decode 步，
     logits 与 step05 自己的读法在浮点容差内相同（逐行注意力的求和顺序不同，所以不要求逐位相同）。"""
     from step05_paged.analysis.decode_bench import READS, as_read
-    cache = PagedKVCache(tiny.cfg, num_blocks=12, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedKVCache(tiny.cfg, num_blocks=12, block_size=4, device="cpu", dtype=torch.float32, attention="gather")
     cache.pool.normal_(generator=torch.Generator().manual_seed(0))
     seqs = [seq_with(9, [7, 2, 5]), seq_with(2, [0]), seq_with(13, [9, 4, 1, 3])]
     for seq in seqs:

@@ -393,8 +393,6 @@ def test_kv_waste_counts_shared_blocks_once(tiny):
     assert [(x.kv_slots_held, x.kv_slots_used) for x in st.steps[:3]] == [(12, 10), (16, 13), (16, 15)]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: _record() samples kv_slots_held/used and num_running after "
-                   "_postprocess() has already freed the requests that finished in this step (same as step05)")
 @one_arch
 def test_the_last_forward_of_a_request_counts_in_kv_waste_and_concurrency(tiny):
     """上一个例子的第 4 步：A 写满它的第 3 块（8 + 4），B 的第 13 个 token 进了新的一块 → 5 块 20 槽、

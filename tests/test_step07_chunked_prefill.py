@@ -79,7 +79,7 @@ def spy_schedule(engine) -> list[list[tuple]]:
 def test_mixed_forward_positions_slots_and_masks_by_hand(tiny):
     """块大小 4。两个 decode（d1：提示词 5 + 1 个输出；d2：提示词 9 + 1 个输出）、一个带已缓存前缀的块
     （c1：提示词 7，已缓存 4，这次算 3 个——算到末尾，要采样）、一个全新提示词的第一块（c2：提示词 6，这次算 3 个，不采样）。"""
-    cache = PagedKVCache(tiny.cfg, 16, 4, "cpu", torch.float32)
+    cache = PagedKVCache(tiny.cfg, 16, 4, "cpu", torch.float32, attention="gather")
     d1 = seq_at([11, 12, 13, 14, 15], [16], 5, [3, 7])
     d2 = seq_at(list(range(20, 29)), [29], 9, [0, 1, 2])
     c1 = seq_at([31, 32, 33, 34, 35, 36, 37], [], 4, [5, 6])
@@ -106,6 +106,12 @@ def test_mixed_forward_positions_slots_and_masks_by_hand(tiny):
     assert s2.read_rows is None and s2.mask[0, 0, 0].tolist() == [[k <= q for k in range(3)] for q in range(3)]
     # c2 的块表只用到这次算到的位置所在的块（后面的块接纳时就分好了，但这一步用不到）
     assert s2.block_tables.tolist() == [[8]]
+    # paged：同一行、同样的槽，注意力一次内核调用：每个请求按行里的顺序给块表、key 数、query 数
+    paged = PagedKVCache(tiny.cfg, 16, 4, "cpu", torch.float32).plan([d1, d2, c1, c2], [1, 1, 3, 3])
+    assert paged.input_ids.tolist() == fwd.input_ids.tolist() and paged.positions.tolist() == fwd.positions.tolist()
+    assert paged.slot_mapping.tolist() == [29, 9, 24, 25, 26, 32, 33, 34]
+    assert paged.block_tables.tolist() == [[3, 7, 16], [0, 1, 2], [5, 6, 16], [8, 16, 16]]   # 16 = 空块
+    assert paged.seq_lens.tolist() == [6, 10, 7, 3] and paged.query_lens.tolist() == [1, 1, 3, 3]
 
 
 @torch.inference_mode()

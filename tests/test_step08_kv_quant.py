@@ -523,7 +523,7 @@ def fill_pool(tiny, fmt_name, T=23, bs=4, k=None, v=None):
     返回 (池子, 块表, 原 K, 原 V, update 返回的 K, V)。"""
     fmt = kv_format(fmt_name, torch.float32)
     nb = -(-T // bs)
-    cache = PagedKVCache(tiny.cfg, nb + 2, bs, "cpu", torch.float32, fmt)
+    cache = PagedKVCache(tiny.cfg, nb + 2, bs, "cpu", torch.float32, fmt=fmt)
     table = [nb + 1, *range(nb - 1, 0, -1), 0][:nb]                          # 打乱的物理块
     seq = Sequence(0, Request(list(range(2, 2 + T)), 1), None, 0.0, block_table=table)
     fwd = cache.plan([seq], [T])
