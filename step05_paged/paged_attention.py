@@ -637,3 +637,24 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, query_lens
     v = v_cache.view(1, 1, N, D)
     out = _flex_compiled(qp, k, v, block_mask=block_mask, enable_gqa=True)   # (B, H, L, D)
     return out.transpose(1, 2)[real]                               # (T, H, D)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 给 torch.compile 用：把 paged_attention 注册成一个 PyTorch 算子
+# ---------------------------------------------------------------------------------------------------------------
+# ctypes 调用对 dynamo 是不透明的 Python：直接放进要编译的函数里，fullgraph=True 会报图断裂。注册成
+# torch.library 的自定义算子之后，它在图里就是一个节点（像 aten.mm 一样），编译器不往里看，只要知道输出的形状和
+# dtype——下面的 fake 实现给出它：(T, H, D)，同 q。真正运行时调用的是上面的 paged_attention（impl="auto"：
+# CPU float32 → C++ 内核，别处 → gather）。mutates_args=()：它只读池子，不写（新 K/V 在图里、调用它之前写好）。
+# bench/paged_attention_bench.py 的 "flex" 走的是另一条路（flex_attention 本身就是可编译的），与这里无关。
+
+@torch.library.custom_op("llm_from_scratch::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """与 paged_attention(..., impl="auto") 相同，可以放进 torch.compile(fullgraph=True) 的图里。"""
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens).contiguous()
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_lens):
+    return q.new_empty(q.shape)                                    # 连续的 (T, H, D)：编译时只需要形状、dtype 和步长

@@ -33,6 +33,7 @@ def main(args) -> bool:
         return chapter(args, s)
     num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = LLMEngine(s.model, EngineConfig(num_blocks, args.block_size, args.max_batch_size, attention=args.attention), s.tok, s.tok.eos_ids)
+    cli.compile_if_asked(args, engine)
     # 先编码、检查全部提示词（包括"池子放不放得下"），任何一个有错都在开始生成前报告
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     outputs, st = engine.generate([Request(ids, args.max_new_tokens, params, args.ignore_eos, stop) for ids in prompt_ids])

@@ -47,6 +47,7 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step06.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size)
+    cli.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # --n K：每个提示词 K 个请求，结果按提示词排列（同一提示词的 K 个样本相邻）
     requests = [q for ids in prompt_ids

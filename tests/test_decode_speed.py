@@ -134,15 +134,17 @@ def test_llama_permute_inverts_transformers_gguf_loader():
 
 
 def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
-    """没装 llama-cpp-python（模拟：import llama_cpp 失败）时，bench/decode_speed.py 跑完自己的阶梯、
-    打印安装命令、正常退出（退出码 0），JSON 里每一级精确改动的 token 检查都通过。
-    为了快：带宽与 GEMV 表用小替身，torch.compile 换成 eager（编译由上面的测试单独覆盖）。"""
+    """既没装 llama-cpp-python（模拟：import llama_cpp 失败）、也没有 llama-server 时，bench/decode_speed.py 跑完
+    自己的阶梯和编译的批处理部分、打印安装命令、正常退出（退出码 0），JSON 里每一项检查都通过
+    （编译的引擎与 eager 相同、检查负载用到了每个桶、有抢占和前缀命中），批处理部分的数字都在。
+    为了快：带宽与 GEMV 表用小替身，torch.compile 换成 eager（编译由上面的测试和 test_compiled_decode.py 覆盖）。"""
     import json
 
     from bench import decode_speed
     from common import cli, llamacpp
     monkeypatch.setitem(sys.modules, "llama_cpp", None)            # 之后 import llama_cpp 抛 ImportError
-    assert not llamacpp.available()
+    monkeypatch.setattr(llamacpp, "server_binary", lambda: None)
+    assert not llamacpp.available() and llamacpp.backend() is None
     monkeypatch.setattr(decode_speed, "memory_bandwidth", lambda device: 20e9)
     monkeypatch.setattr(decode_speed, "gemv_table", lambda threads: [])
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -153,5 +155,30 @@ def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
     assert e.value.code == 0, out[-3000:]
     assert llamacpp.INSTALL in out
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["checks"] and all(result["checks"].values())
-    assert "ratio_vs_llamacpp_f32[step03]" not in result["figures"]
+    assert result["checks"] and all(result["checks"].values()), result["checks"]
+    assert {"compiled_greedy_equals_eager", "compiled_sampled_equals_eager",
+            "compiled_check_covers_every_bucket_preemption_prefix_hits"} <= set(result["checks"])
+    figures = result["figures"]
+    assert "ratio_vs_llamacpp_f32[step03]" not in figures and "compiled_decode_ratio_vs_llamacpp_f32" not in figures
+    for name in ("compiled_step_speedup_b8", "compiled_throughput_ratio_b8_vs_eager", "compiled_graphs",
+                 "compile_rss_mib", "decode_step_ms_b1[eager]", "engine_tok_s_b8[compiled]"):
+        assert name in figures, name
+
+
+def test_llama_server_backend_drives_completion_and_reads_tokens_and_timings(monkeypatch, tmp_path):
+    """LlamaServer 的请求体与对返回的解读（不启动真的服务器：替换掉进程和 HTTP 这两层）：token id 作 prompt、
+    贪心、ignore_eos、return_tokens、不复用 KV；每个 decode 步 = predicted_ms / (predicted_n − 1)。"""
+    from common import llamacpp
+    sent = {}
+
+    def post(self, route, body):
+        sent[route] = body
+        return {"tokens": [7, 8, 9, 10], "timings": {"prompt_ms": 12.0, "predicted_n": 4, "predicted_ms": 30.0}}
+    monkeypatch.setattr(llamacpp.LlamaServer, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(llamacpp.LlamaServer, "_post", post)
+    r = llamacpp.LlamaServer(tmp_path / "m.gguf", 2).greedy([1, 2, 3], 4)
+    assert sent["/completion"] == {"prompt": [1, 2, 3], "n_predict": 4, "temperature": 0, "top_k": 1,
+                                   "ignore_eos": True, "return_tokens": True, "cache_prompt": False}
+    assert r.tokens == [7, 8, 9, 10] and r.prefill_s == pytest.approx(0.012)
+    assert r.decode_s == pytest.approx([0.01] * 3)
+    assert llamacpp.until_eos([5, 6, 1, 7], [1]) == [5, 6] and llamacpp.until_eos([5, 6], [1]) == [5, 6]
