@@ -76,7 +76,8 @@ def add_paged_args(p: Parser, default_kv_mib: int) -> None:
     g.add_argument("--compile", nargs="?", const=compiled_decode.DEFAULT_MODE, default=None,
                    choices=compiled_decode.MODES, metavar="MODE",
                    help="生成模式：decode 步用 torch.compile 按批大小桶各编译一张静态形状的图（common/compiled_decode.py）；"
-                        "MODE 默认 default，可选 max-autotune / freezing / freezing+max-autotune")
+                        f"MODE 默认 {compiled_decode.DEFAULT_MODE}，可选 {' / '.join(compiled_decode.MODES)}"
+                        "（速度、编译时间与内存见 docs/appendix_performance.md）")
 
 
 def compile_if_asked(args, engine) -> None:

@@ -12,14 +12,16 @@ CompiledDecodeModel 看起来就是模型：同样的调用 model(input_ids, pos
   1. 批补齐到桶：R 个请求 → 不小于 R 的最小桶 Bp（1, 2, 4, 8, 16, ...）。补出来的 Bp − R 行：token 0、位置 0、
      块表整行是空块（池子的最后一块，从不分给任何请求）、长度 1，新 K/V 写进空块的第 0 个槽。
      没有任何真实的行会读空块（内核只读每行自己 seq_len 以内的块），所以补齐的行改变不了任何请求的输出；
-  2. 块表补齐到固定宽度 W = 一个请求最多能有的块数：内核只读每行前 ceil(seq_len / block_size) 项，
-     多出的项不读；宽度固定，序列变长时图的形状不变；
-  3. 调用这个桶的图：torch.compile(fullgraph=True, dynamic=False)——形状全是常数，整步一张图，中间没有 Python；
+  2. 块表补齐到固定宽度 W = ⌈上下文长度 / block_size⌉（一个请求最多能有的块数）：内核只读每行前
+     ⌈seq_len / block_size⌉ 项，多出的项不读；宽度固定，序列变长时图的形状不变。池子的块数也不进图的形状
+     （mark_dynamic）：--num-blocks 不同的引擎共用同一组图；
+  3. 调用这个桶的图：torch.compile(fullgraph=True, dynamic=False)——除了池子的块数，形状全是常数，整步一张图，
+     中间没有 Python；
      注意力是注册成 PyTorch 算子的 C++ 内核（step05_paged/paged_attention.py 的 paged_attention_op），
      写 K/V 是下面的 write_kv_ 算子：编译器把它们当成图里的一个节点，不往里看；
   4. 只把真实行的 logits 按引擎给的顺序（logits_index）交回去：补齐的行从不被采样。
 
-为什么补齐而不是每个 B 编译一张：编译一张图要一两分钟（docs/appendix_performance.md 的表），而补齐多算的是几行
+为什么补齐而不是每个 B 编译一张：真实模型编译一张图要几十秒（docs/appendix_performance.md 的表），而补齐多算的是几行
 矩阵乘——decode 每步把权重读一遍，行数从 R 变到 Bp 读的字节几乎不变。桶按 2 的幂取，最多多算不到一倍的行，
 max_batch_size = 8 时只有 4 张图。
 
@@ -140,6 +142,8 @@ def compile_options(mode: str) -> dict:
         # CPU 上：每个矩阵乘在 aten（MKL）与 inductor 的 C++ GEMM 模板之间实测挑快的；模板要求权重是常数
         # （预先重排成它的块格式），所以只有和 freezing 一起才真的有模板可挑
         options["max_autotune"] = True
+        options["autotune_num_choices_displayed"] = 0         # 不往 stderr 打印每个矩阵乘的候选表
+        options["max_autotune_report_choices_stats"] = False
     if "freezing" in mode:
         # 权重当常数：常量折叠，矩阵乘换成权重预先打包好的 MKL / oneDNN 版本。光在这里写还不够，见 compiling()；
         # 写在这里让两种模式的后端不相等——dynamo 按后端区分缓存的图，否则 freezing 会直接拿到 default 编好的那张
@@ -237,6 +241,8 @@ class CompiledDecodeModel(torch.nn.Module):
         lens = torch.ones(Bp, dtype=torch.int32, device=dev)               # 补齐的行：1 个 key（它自己刚写的那个）
         lens[:R] = seq_lens
         ones = torch.ones(Bp, dtype=torch.int32, device=dev)               # query_lens：每行 1 个
+        # 池子的块数不进图的形状（dynamo 把这一维当符号）：换一个 --num-blocks 的引擎也用同一组图
+        torch._dynamo.mark_dynamic(pool, 2)
         st = self.stats.get(Bp)
         hits, t0 = counters["inductor"]["fxgraph_cache_hit"], time.perf_counter()
         with self.compiling():
@@ -265,9 +271,9 @@ class CompiledDecodeModel(torch.nn.Module):
 
 
 def block_table_width(engine) -> int:
-    """一个请求最多能有的块数：上下文装满（add_request 检查过不会超过它），也不会超过池子的块数。"""
-    kv = engine.kv_cache
-    return min(kv.num_blocks, -(-engine.model.cfg.max_position_embeddings // kv.block_size))
+    """一个请求最多能有的块数：上下文装满（add_request 检查过不会超过它）。只取决于模型和块大小，
+    与池子有多少块无关：不同 --num-blocks 的引擎共用同一组图。"""
+    return -(-engine.model.cfg.max_position_embeddings // engine.kv_cache.block_size)
 
 
 def compile_engine(engine, mode: str = DEFAULT_MODE, buckets: Optional[tuple[int, ...]] = None,

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from common import compiled_decode as cd
 from common.clock import VirtualClock
@@ -22,7 +23,7 @@ from step05_paged.paged_attention import paged_attention_op
 from step07_chunked_prefill import engine as step07
 
 BUCKETS = (1, 2, 4)
-NUM_BLOCKS, BLOCK_SIZE = 14, 4       # 所有引擎同样形状的池子（池子是图的输入）：共用同一组编译好的图；小到会抢占
+NUM_BLOCKS, BLOCK_SIZE = 14, 4       # 测试里引擎的池子：小到会抢占
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +33,17 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(model):
-    """桶 1、2、4 各编译一次（用一个 step05 引擎的池子预热：只写空块）。"""
-    engine = step05.LLMEngine(model, step05.EngineConfig(NUM_BLOCKS, BLOCK_SIZE, 4))
+    """桶 1、2、4 各编译一次（用一个 step05 引擎的池子预热：只写空块）。这个池子比测试里别的引擎的大：
+    池子的块数不进图的形状，别的引擎直接用这组图，不重新编译。"""
+    engine = step05.LLMEngine(model, step05.EngineConfig(3 * NUM_BLOCKS, BLOCK_SIZE, 4))
     cd.use_inductor_cache_dir()
     wrapper = cd.CompiledDecodeModel(model, BUCKETS, cd.block_table_width(engine))
-    wrapper.warm_up(engine.kv_cache.pool, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # 与测试本身相同（conftest 让小模型的测试单线程跑）：dynamo 按线程数守卫图
+    try:
+        wrapper.warm_up(engine.kv_cache.pool, progress=False)
+    finally:
+        torch.set_num_threads(threads)
     assert sorted(wrapper.stats) == list(BUCKETS)
     return wrapper
 
@@ -83,7 +90,7 @@ def check_equal(model, arrivals, ref, got):
 def test_compiled_equals_eager_as_the_batch_grows_and_shrinks(model, compiled, monkeypatch, step):
     """同一个负载在 eager 引擎和编译的引擎上跑出同样的 token（run.py 的"相等"规则），贪心和带种子的采样都是；
     step07 的池子小到要抢占、前缀缓存有命中。编译的图真的被用到了：桶 1、2、4 都有，批先变大后变小，
-    有的步补了行（R < Bp：一个请求在桶里结束之后），两个引擎都抢占过。"""
+    有的步补了行（R < Bp：一个请求在桶里结束之后），两个引擎都抢占过；池子比预热时小，图照用、不重新编译。"""
     arrivals = workload()
 
     def engine():
@@ -95,7 +102,9 @@ def test_compiled_equals_eager_as_the_batch_grows_and_shrinks(model, compiled, m
     fast = engine()
     calls = spy(compiled, monkeypatch)
     assert cd.compile_engine(fast, compiled=compiled, progress=False)
+    graphs = counters["stats"]["unique_graphs"]
     got, st = replay(fast, arrivals, fast.clock)
+    assert counters["stats"]["unique_graphs"] == graphs                  # 池子的块数不同，也没有重新编译
     check_equal(model, arrivals, ref, got)
     rows = [r for r, _ in calls]
     assert {b for _, b in calls} == set(BUCKETS)
@@ -137,7 +146,7 @@ def test_padding_rows_write_only_the_null_block_and_change_no_real_row(model, co
     changed = (after != pool) & ~(torch.isnan(after) & torch.isnan(pool))
     blocks = changed.flatten(3).any(-1).any(-1).any(0).any(0).nonzero().flatten().tolist()   # 被改过的物理块
     real_blocks = sorted({int(s) // BLOCK_SIZE for s in fwd.slot_mapping[:3]})
-    assert set(blocks) <= set(real_blocks) | {NUM_BLOCKS}
+    assert set(blocks) <= set(real_blocks) | {NUM_BLOCKS}            # 空块的块号 = NUM_BLOCKS
     pool[:, :, real_blocks[0]] = 1e3                                     # 真实行读的块写坏：必须看得出来
     broken, _ = run(3)
     assert not torch.equal(broken[:3], full[:3])
