@@ -16,7 +16,7 @@ rank 0 跑引擎（调度器、块管理器、采样）；其余 rank 只跑 ser
 - 正常结束：rank 0 发"停"，worker 自己退出。
 - rank 0 出错（坏输入、Ctrl-C、bug）：不再做任何集合通信（worker 可能正停在某次 all-reduce 里，这时再发一条"停"
   会和它配错对），直接拆掉进程组；worker 的下一次（或正在等的）通信因为连接断开而失败，安静地退出；
-  2 秒后还活着的 spawn 子进程被 terminate。
+  0.5 秒后还活着的子进程被 terminate。
 - 某个 worker 出错：它把一行错误写进 TCPStore（所有 rank 共用的键值存储），然后退出；其余 rank 的通信因为
   连接断开而失败（CommError：不是原因，只是后果），rank 0 从 store 里取出最先报告的那一行，作为一行 `error:`
   报出来（WorkerFailed 是 UserError：退出码 2）。
@@ -217,13 +217,15 @@ def serve_worker(parallel: ParallelContext, model_dir, device: str, dtype: torch
 
 # ---------------------------------------------------------------- 启动与收尾
 
-def _start_method():
-    """forkserver：一个干净的服务进程只 import 一次 torch，之后每个 worker 从它 fork 出来（快，且不从已经起了
-    OpenMP 线程的 rank 0 直接 fork）；没有 forkserver 的平台（Windows）用 spawn：每个 worker 一个全新的解释器。"""
+def _start_method(preload: tuple[str, ...]):
+    """forkserver：一个干净的服务进程先 import 一次 torch、这个文件和 preload（主程序顶部 import 的模块），之后每个
+    worker 从它 fork 出来——worker 照例重新执行一遍主程序（multiprocessing 总是这样做），但它要的模块都已经在了，
+    不用每个 worker 再花几秒 import；也不是从已经起了 OpenMP 线程的 rank 0 直接 fork。没有 forkserver 的平台
+    （Windows）用 spawn：每个 worker 一个全新的解释器，各自 import 一遍。"""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", __name__])
+    ctx.set_forkserver_preload(["torch", __name__, *preload])   # 服务进程第一次启动时才用得上
     return ctx
 
 
@@ -317,8 +319,9 @@ def _wait_for_workers(store, procs, world: int) -> None:
 
 
 def _reap(procs, graceful: bool) -> None:
-    """等 spawn 的子进程退出；正常结束给它们 10 秒，出错时 2 秒，之后 terminate，再不退就 kill。"""
-    deadline = time.monotonic() + (10.0 if graceful else 2.0)
+    """等子进程退出；正常结束给它们 10 秒，出错时 0.5 秒（连接断开后它们自己就退出了，还在的多半停在一次
+    再也等不到的通信里），之后 terminate，再不退就 kill。"""
+    deadline = time.monotonic() + (10.0 if graceful else 0.5)
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -331,12 +334,9 @@ def _reap(procs, graceful: bool) -> None:
             p.join()
 
 
-_MP = _start_method()
-
-
 @contextmanager
 def launch(tp: int, pp: int, worker_main: Callable = serve_worker, worker_args: tuple = (),
-           threads: Optional[int] = None, timeout=COMM_TIMEOUT) -> Iterator[ParallelContext]:
+           threads: Optional[int] = None, timeout=COMM_TIMEOUT, preload: tuple[str, ...] = ()) -> Iterator[ParallelContext]:
     """进入时：本进程成为 rank 0，其余 tp·pp − 1 个 rank 跑 worker_main(parallel, *worker_args)。
     - torchrun 起的（环境变量里有 RANK、WORLD_SIZE）：每个进程都走到这里；rank ≠ 0 就地跑 worker_main，然后退出进程。
     - 否则 tp·pp > 1 时用 torch.multiprocessing（spawn）起子进程；tp·pp = 1 时什么也不起（一个进程，与 step09 相同）。
@@ -363,7 +363,8 @@ def launch(tp: int, pp: int, worker_main: Callable = serve_worker, worker_args: 
     else:
         ifname = os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        procs = [_MP.Process(target=_child, args=(r, tp, pp, store.port, timeout, threads, ifname, worker_main,
+        start = _start_method(preload)
+        procs = [start.Process(target=_child, args=(r, tp, pp, store.port, timeout, threads, ifname, worker_main,
                                                   worker_args), daemon=True) for r in range(1, world)]
         for p in procs:
             p.start()

@@ -29,6 +29,9 @@ from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_s
 from step10_tensor_parallel.quant import kv_format  # noqa: E402
 
 
+PRELOAD = ("common.cli", "step08_kv_quant.run")   # 这个文件顶部 import 的重模块：forkserver 先 import 好（distributed.py）
+
+
 def make_parser() -> cli.Parser:
     p = step08_run.make_parser()
     p.description = __doc__.splitlines()[0]
@@ -68,7 +71,7 @@ def main(args) -> bool:
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
-    with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
+    with launch(args.tp, args.pp, serve_worker, (path, device, dtype), preload=PRELOAD) as parallel:
         s.model = load_shard(path, parallel, device, dtype)
         if args.no_chunked_prefill:
             engine = step08_run.engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
