@@ -3,16 +3,20 @@
     NgramProposer       prompt lookup：在"提示词 + 已生成"里找与结尾相同的 n-gram，把它后面跟着的 token 当作猜测。
                         不要第二个模型；找不到就不猜（这一步照常 decode）
     DraftModelProposer  草稿模型：自己的模型、自己的分页 KV 池，连走 k 步（贪心或抽样），每步记下抽样用的分布 q
+                        （草稿模型走不通时——池子满了——也是不猜）
     FakeProposer        测试用：按脚本给出猜测
 
 猜得对不对不影响结果（验证规则保证输出的分布与不猜时完全相同，见 rejection_sampler.py），只影响快慢。
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Union
 
 import torch
 
 from step02_sampling.sampler import SamplingParams, draw, process_logits, sample
+
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
 
 
 @dataclass
@@ -72,18 +76,83 @@ def draft_token(logits: torch.Tensor, history: list[int], params: SamplingParams
     return draw(q, generator), q
 
 
-class DraftModelProposer:
-    """草稿模型：一个更小的同词表模型，自己的分页 KV 池，每步为每个请求连走 k 步，每步用 draft_token 抽一个 token。
-    第二阶段接入引擎：KV 池、按块表的批量前向、被拒后 KV 的回滚都在那时加上。"""
+@dataclass(eq=False)
+class DraftSequence:
+    """草稿模型眼里的一个请求：kv_cache.plan 要的几项（与引擎的 Sequence 同名），块在草稿模型自己的池子里。
+    token_ids = 请求的 token + 这一轮已经猜出的；池子里存着前 num_computed_tokens 个的 K/V。"""
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)   # 草稿模型自己不验证：永远为空
 
-    def __init__(self, model, k: int):
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftModelProposer:
+    """草稿模型：一个更小的同词表模型，自己的分页 KV 池（与目标同一套 PagedKVCache / BlockManager，只是另一个实例），
+    每步为这一批请求一起走 k 步：第 1 步把草稿还没见过的 token（上一轮被接受的猜测和目标给的那个 token；新请求是
+    整段提示词）算进它的池子，之后每步 1 个 token；每步用 draft_token 抽一个，记下 q。
+
+    回滚不用专门做：草稿池子里的 K/V 只对"它算过的 token 与请求现在的 token 相同"的那段前缀有效，
+    每轮开头把 num_computed_tokens 截到这段公共前缀（被拒绝的猜测之后的都不算了，槽以后被覆盖）。
+    草稿池子的块不够时这个请求这一步不猜（照常 decode），从不为此抢占。请求结束时 free 还块。"""
+
+    def __init__(self, model, k: int, num_blocks: int, block_size: int):
         self.model, self.k = model, k
+        self.block_manager = BlockManager(num_blocks, block_size, enable_caching=False)
+        self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, model.device, model.dtype)
+        self.states: dict[int, DraftSequence] = {}    # request_id → 草稿的状态
 
     def propose(self, seqs: list) -> list[Proposal]:
-        raise NotImplementedError("DraftModelProposer needs the engine's paged KV pool (step09 phase 2)")
+        live = [seq for seq in seqs if self._sync(seq)]
+        drafts = {seq.request_id: ([], []) for seq in live}     # request_id → (猜的 token, 各自的 q)
+        for _ in range(self.k if live else 0):
+            states = [self.states[seq.request_id] for seq in live]
+            fwd = self.kv_cache.plan(states, [st.num_tokens - st.num_computed_tokens for st in states])
+            logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (B, V)
+            for seq, st, row in zip(live, states, logits):
+                st.num_computed_tokens = st.num_tokens
+                token, q = draft_token(row, st.token_ids, seq.request.params, seq.generator)
+                st.token_ids.append(token)                   # 下一步把它喂回去（最后一个猜测不再喂）
+                drafts[seq.request_id][0].append(token)
+                drafts[seq.request_id][1].append(q)
+        out = []
+        for seq in seqs:
+            ids, qs = drafts.get(seq.request_id, ([], []))
+            out.append(Proposal(ids, torch.stack(qs) if ids and qs[0] is not None else None))
+        return out
+
+    def _sync(self, seq) -> bool:
+        """把草稿的状态对齐到请求现在的 token，并给这一轮要写的位置分好块；分不到块返回 False（这一步不猜）。"""
+        st = self.states.setdefault(seq.request_id, DraftSequence([]))
+        st.num_computed_tokens = min(st.num_computed_tokens, common_prefix_len(st.token_ids, seq.token_ids))
+        st.token_ids = list(seq.token_ids)
+        need = self.block_manager.blocks_for(st.num_tokens + self.k - 1) - len(st.block_table)   # 写到第 k-1 个猜测
+        if need > 0:
+            if not self.block_manager.can_allocate(need):
+                return False
+            st.block_table += self.block_manager.allocate(need)
+        return True
 
     def free(self, seq) -> None:
-        pass
+        st = self.states.pop(seq.request_id, None)
+        if st is not None:
+            self.block_manager.free(st.block_table)
 
 
 class FakeProposer:
