@@ -1,13 +1,14 @@
 # 两条命令（README 的快速开始）：
 #   make demo   从零安装并依次运行每一步的 run.py（默认 --quick；完整基准用 make demo FULL=1）
 #   make test   从零安装并运行全部测试，最后列出最慢的 15 个（.ci/run 就是它）
+#   make patches 重新生成 docs/patches/NN-MM.diff（相邻两步引擎文件的 diff；改了引擎文件之后运行，测试会检查）
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STEPS  := $(sort $(wildcard step0*/run.py))
 QUICK  := $(if $(FULL),,--quick)
 
-.PHONY: setup demo test clean-model
+.PHONY: setup demo test patches clean-model
 
 setup: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests --durations=15
+
+patches:
+	$(PYTHON) docs/patches/make_patches.py
 
 clean-model:
 	rm -rf "$${LLM_FROM_SCRATCH_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/llm-from-scratch}"

@@ -46,6 +46,11 @@ def make_parser(description: str) -> Parser:
     return p
 
 
+def override(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    """同样的命令行参数，改几项（章节模式用 run.py 自己的 engine_for 造"--no-X 时"的引擎）。"""
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 def add_stop_arg(p: Parser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="停止字符串（可重复）：新生成的文本里出现它就停（包含补全它的那个 token），同 step02/03")

@@ -76,6 +76,11 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def forward_shapes(self) -> list[tuple]:
+        """每一次前向算了什么：(是否 prefill, 行数, 每行宽度, 真实 token 数)——两个引擎"每一次前向都相同"就比它。"""
+        return [(x.prefill, x.rows, x.width, x.tokens) for x in self.steps]
+
     # ---- 三种浪费（定义见模块说明）----
     @property
     def prefill_slots(self) -> int:
