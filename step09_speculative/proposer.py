@@ -140,7 +140,9 @@ class DraftModelProposer:
     def _sync(self, seq) -> bool:
         """把草稿的状态对齐到请求现在的 token，并给这一轮要写的位置分好块；分不到块返回 False（这一步不猜）。"""
         st = self.states.setdefault(seq.request_id, DraftSequence([]))
-        st.num_computed_tokens = min(st.num_computed_tokens, common_prefix_len(st.token_ids, seq.token_ids))
+        # 至少重算最后一个 token：要它的 logits 才能猜下一个（它的 K/V 可能已在池子里——猜测被引擎截短、又正好猜对时）
+        st.num_computed_tokens = min(st.num_computed_tokens, common_prefix_len(st.token_ids, seq.token_ids),
+                                     seq.num_tokens - 1)
         st.token_ids = list(seq.token_ids)
         need = self.block_manager.blocks_for(st.num_tokens + self.k - 1) - len(st.block_table)   # 写到第 k-1 个猜测
         if need > 0:
