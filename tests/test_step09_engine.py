@@ -9,11 +9,13 @@
 - 接受率一直很低的请求暂停猜测；
 - 抽样在分布上精确：带种子抽几千个请求，前几个 token 的联合分布与直接抽样的理论分布一致；规则改坏后检查失败。
 """
+import json
+
 import pytest
 import torch
 
 from common.errors import UserError
-from conftest import make_tiny_model_dir, one_arch
+from conftest import cli_error, make_tiny_model_dir, one_arch
 from common.weights import load_model
 from step02_sampling.distribution import hf_filtered_probs, tv_bound, tv_distance
 from step02_sampling.sampler import SamplingParams
@@ -377,3 +379,41 @@ def test_engine_sampling_is_exact_in_distribution(vocab8, method, monkeypatch):
     monkeypatch.setattr(rejection_sampler, "accepts", lambda u, p_d, q_d: True)
     broken, _ = engine_t2_t3(target, method, draft)
     assert tv_distance(broken, theory) > bound, (tv_distance(broken, theory), bound)
+
+
+# ---------------------------------------------------------------- run.py（生成模式，进程内）
+
+def run_generation(module, argv, capsys) -> dict:
+    from common import cli
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(module.make_parser(), module.main, argv)
+    captured = capsys.readouterr()
+    assert e.value.code == 0, captured.err[-2000:]
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+def test_run_py_every_method_equals_step08(tiny_tok_dir, capsys):
+    """同样的提示词：step08 的 run.py 与 step09 的 run.py（none / ngram / 自己当草稿）给出同样的 token。"""
+    from step08_kv_quant import run as run08
+    from step09_speculative import run as run09
+    argv = ["--model", str(tiny_tok_dir), "--prompt", "hello hello hello hello", "--prompt", "a b c a b c a b",
+            "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    ref = [x["output_ids"] for x in run_generation(run08, argv, capsys)["results"]]
+    for extra in (["--spec-method", "none"], [], ["--draft-model", str(tiny_tok_dir), "--num-spec-tokens", "3"]):
+        out = run_generation(run09, argv + extra, capsys)
+        assert [x["output_ids"] for x in out["results"]] == ref, extra
+    assert out["stats"]["spec_method"] == "draft"
+    assert out["stats"]["accepted"] == out["stats"]["proposed"] > 0      # 自己当草稿：全部接受
+
+
+def test_run_py_errors(tiny_tok_dir, capsys):
+    from step09_speculative import run as run09
+    base = ["--model", str(tiny_tok_dir), "--prompt", "hi"]
+    assert "--draft-model" in cli_error(run09, base + ["--spec-method", "draft"], capsys)
+    assert "--spec-method" in cli_error(run09, base + ["--spec-method", "eagle"], capsys)
+    assert "--ngram-min" in cli_error(run09, base + ["--ngram-min", "5", "--ngram-max", "2"], capsys)
+    assert "--num-spec-tokens" in cli_error(run09, base + ["--num-spec-tokens", "0"], capsys)
+    assert "step09" in cli_error(run09, base + ["--no-chunked-prefill", "--spec-method", "ngram"], capsys)
+    assert "only used with" in cli_error(run09, base + ["--draft-model", str(tiny_tok_dir), "--spec-method", "none"],
+                                         capsys)
+    assert "does not exist" in cli_error(run09, base + ["--draft-model", "/nonexistent/dir"], capsys)
