@@ -135,7 +135,8 @@ def run_steps(eng: LLMEngine, reqs) -> dict[int, list[list[int]]]:
 
 @one_arch
 @pytest.mark.parametrize("wrong_at", [0, 1, 2, None], ids=["first", "middle", "last", "all_right"])
-def test_scripted_proposals(tiny, wrong_at):
+def test_scripted_proposals(tiny, wrong_at, monkeypatch):
+    monkeypatch.setattr("step09_speculative.engine.SPEC_MIN_ACCEPTANCE", 0.0)   # 不暂停：每一步都验证
     reqs = requests(max_new=21)
     ref = reference(tiny.model, reqs)
     k = 3
@@ -163,7 +164,8 @@ def test_k0_proposals_are_plain_decoding(tiny):
 
 
 @one_arch
-def test_eos_inside_the_accepted_run_stops_there(tiny):
+def test_eos_inside_the_accepted_run_stops_there(tiny, monkeypatch):
+    monkeypatch.setattr("step09_speculative.engine.SPEC_MIN_ACCEPTANCE", 0.0)
     reqs = requests(max_new=20)
     ref = reference(tiny.model, reqs)
     # 猜 4 个全对时第二个请求每步产出输出的第 1–5、6–10、11–15 个 token：拿一串中间的某个 token 当 EOS
