@@ -62,7 +62,7 @@ class Chapter:
         if step is step09:
             spec = {"num_spec_tokens": self.k, "ngram_min": self.args.ngram_min, "ngram_max": self.args.ngram_max, **spec}
         config = step.EngineConfig(num_blocks or self.num_blocks, self.bs, max_batch_size or self.B,
-                                   budget or self.budget, **kw, **spec)
+                                   budget or self.budget, **{"attention": self.args.attention, **kw}, **spec)
         extra = {"draft_model": self.draft} if spec.get("spec_method") == "draft" else {}
         e = step.LLMEngine(self.s.model, config, self.s.tok, self.eos, **extra)
         self.engines.append(e)

@@ -47,7 +47,7 @@ from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache
+from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
 from .quant import kv_format
 from .rejection_sampler import verify
@@ -77,6 +77,7 @@ class EngineConfig:
     kv_dtype: Optional[str] = None   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
     preempt: str = "recompute"       # "swap"：抢占时换出到第二层
     swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
+    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
     spec_method: str = "none"        # "ngram"：prompt lookup；"draft"：草稿模型（LLMEngine 的 draft_model）
     num_spec_tokens: int = 4         # 每步每个请求至多猜几个（vLLM 的 num_speculative_tokens）
     ngram_min: int = 2               # prompt lookup 的 n-gram 长度范围（vLLM 的 prompt_lookup_min / max）
@@ -86,6 +87,8 @@ class EngineConfig:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
         if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
             raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                             f"--max-batch-size ({self.max_batch_size})")
@@ -137,7 +140,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
             self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
-                                         kv_format(config.kv_dtype, model.dtype))
+                                         config.attention, kv_format(config.kv_dtype, model.dtype))
             self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2)
                          if config.preempt == "swap" else None)
         except (RuntimeError, MemoryError) as e:
@@ -161,7 +164,7 @@ class LLMEngine:
             if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
                 raise UserError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
                                 f"target's ({self.model.cfg.vocab_size}): they must share the tokenizer")
-            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size)
+            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size, c.attention)
         return None
 
     def add_request(self, request: Request) -> int:
@@ -187,10 +190,11 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         if self.proposer is not None:
             self.proposer.free(seq)
-        self._aborted.append(RequestOutput(request_id, [], True, "abort"))
+        self._aborted.append(RequestOutput(request_id, [], True, "abort", seq.num_cached_tokens or 0))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.seqs)
+        """还有没结束的请求，或者还有 abort 的结果没交出去（下一次 step() 交）。"""
+        return bool(self.seqs or self._aborted)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -202,9 +206,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
-        outputs += self._postprocess(batch, logits)
-        self._record(batch, fwd, self.clock.now() - t0, outputs)
-        return outputs
+        new = self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, new)
+        for o in new:
+            if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
+                seq = self.seqs.pop(o.request_id)
+                self.scheduler.finish(seq, o.finish_reason)
+                if self.proposer is not None:
+                    self.proposer.free(seq)
+        return outputs + new
 
     def _propose(self) -> None:
         """给每个在 decode 的请求要这一步的猜测：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的减 1
@@ -229,7 +239,7 @@ class LLMEngine:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
         （prefill 的前几块不采样）：接受的猜测 + 一个目标模型的 token 依次 append（遇到结束条件就停，后面的扔掉）。
         接受的猜测的 K/V 这次前向已经写进池子，算进 num_computed_tokens；被拒绝的不算——这就是回滚，它们的槽以后被覆盖。
-        这一步的 token 一起产出（记下同一个时刻）；结束的请求立刻还块。"""
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
         outputs, row, now = [], 0, self.clock.now()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             spec = seq.spec_token_ids
@@ -258,10 +268,6 @@ class LLMEngine:
                 seq.first_token_time = now
             if reason is not None:
                 seq.finish_time = now
-                self.scheduler.finish(seq, reason)   # 立刻还块：下一步就能接纳新请求
-                if self.proposer is not None:
-                    self.proposer.free(seq)
-                del self.seqs[seq.request_id]
             outputs.append(RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_cached_tokens))
         return outputs
 
@@ -299,7 +305,9 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         finally:
-            for seq in seqs:
-                self.abort(seq.request_id)           # 已经结束的请求 abort 什么也不做
+            ids = {seq.request_id for seq in seqs}
+            for i in ids:
+                self.abort(i)                        # 已经结束的请求 abort 什么也不做
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
         return GenerateOutput([s.output_ids for s in seqs],
                               collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

@@ -112,10 +112,10 @@ class DraftModelProposer:
     每轮开头把 num_computed_tokens 截到这段公共前缀（被拒绝的猜测之后的都不算了，槽以后被覆盖）。
     草稿池子的块不够时这个请求这一步不猜（照常 decode），从不为此抢占。请求结束时 free 还块。"""
 
-    def __init__(self, model, k: int, num_blocks: int, block_size: int):
+    def __init__(self, model, k: int, num_blocks: int, block_size: int, attention: str = "paged"):
         self.model, self.k = model, k
         self.block_manager = BlockManager(num_blocks, block_size, enable_caching=False)
-        self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, model.device, model.dtype)
+        self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, model.device, model.dtype, attention)
         self.states: dict[int, DraftSequence] = {}    # request_id → 草稿的状态
 
     def propose(self, seqs: list) -> list[Proposal]:

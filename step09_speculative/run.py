@@ -65,8 +65,9 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
     if args.no_chunked_prefill:
         return run08.engine_for(args, s, num_blocks, max_batch_size, budget, clock)
     config = step09.EngineConfig(num_blocks, args.block_size, max_batch_size, budget, not args.no_prefix_cache,
-                                 args.kv_dtype, args.preempt, spec_method=spec_method(args),
-                                 num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                                 attention=args.attention, kv_dtype=args.kv_dtype, preempt=args.preempt,
+                                 spec_method=spec_method(args), num_spec_tokens=args.num_spec_tokens,
+                                 ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     return step09.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock, draft_model=draft_model)
 
 

@@ -91,11 +91,12 @@ def test_spec_none_is_step08_bit_for_bit(tiny, params):
     assert eng.spec_stats.proposed == 0
 
 
-def test_greedy_ngram_equals_step08(tiny):
+@pytest.mark.parametrize("attention", ["paged", "gather"])
+def test_greedy_ngram_equals_step08(tiny, attention):
     reqs = requests()
-    eng = spec_engine(tiny.model, spec_method="ngram", num_spec_tokens=3, ngram_min=1, ngram_max=3)
+    eng = spec_engine(tiny.model, spec_method="ngram", num_spec_tokens=3, ngram_min=1, ngram_max=3, attention=attention)
     out = eng.generate(reqs)
-    assert out.outputs == reference(tiny.model, reqs)
+    assert out.outputs == reference(tiny.model, reqs, attention=attention)
     assert eng.spec_stats.accepted > 0                           # 真的有猜中的：不是一路照常 decode
     assert out.stats.num_forwards < 5 + 5 * 23                   # 少于"每个 token 一次前向"
     assert_all_free(eng)
@@ -252,11 +253,11 @@ def test_rejected_tokens_roll_back_and_never_reach_the_prefix_cache(tiny):
 
 
 @one_arch
-@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("preempt, attention", [("recompute", "paged"), ("swap", "paged"), ("recompute", "gather")])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_small_pool_with_preemption(tiny, preempt, method):
+def test_small_pool_with_preemption(tiny, preempt, attention, method):
     reqs = requests(max_new=30)
-    cfg = dict(num_blocks=24, block_size=4, max_batch_size=5, preempt=preempt)
+    cfg = dict(num_blocks=24, block_size=4, max_batch_size=5, preempt=preempt, attention=attention)
     ref = reference(tiny.model, reqs, **cfg)
     eng = spec_engine(tiny.model, spec_method=method, num_spec_tokens=3, ngram_min=1, draft=tiny.model, **cfg)
     out = eng.generate(reqs)
