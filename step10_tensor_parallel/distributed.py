@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -212,7 +212,8 @@ def serve_worker(parallel: ParallelContext, model_dir, device: str, dtype: torch
     """rank ≠ 0 的全部工作：装上自己那一份模型；rank 0 每建一个引擎，就按同一份配置建一个，跑到它结束。"""
     model = load_shard(model_dir, parallel, device, dtype)
     while (config := parallel.broadcast_object()) is not None:
-        LLMEngine(model, config, parallel=parallel).run_worker()
+        # 猜测只在 rank 0 上做（草稿模型也只在那里）：要验证的猜测已经写在每一步的计划里
+        LLMEngine(model, replace(config, spec_method="none"), parallel=parallel).run_worker()
 
 
 # ---------------------------------------------------------------- 启动与收尾

@@ -54,6 +54,12 @@ step08：量化的池子（--kv-dtype int8 / fp8）。池子存 1 字节的码�
 一份新张量）。全新的 prefill 不读池子，但返回的也是"量化再读回"的 K/V：于是一个 token 在注意力里看到的值与它
 何时被写、被切在哪一块、和谁一批都无关。kv_dtype 是另一种浮点（例如 float32 的模型用 bfloat16 存）时没有 scale：
 写时转换，读时转回模型的 dtype。默认（fmt=None）池子就是模型的 dtype：精确模式，每一步与 step07 逐位相同。
+
+step09：验证猜测。decode 中带着 k 个猜测的请求这一步算 k+1 个位置（上一步采样出的 token + k 个猜测），
+与一个 prefill 块的做法完全相同：从 num_computed_tokens 起写进块表里的槽，看自己已在池子里的前缀 + 这 k+1 个
+新 K/V（paged 时就是内核的 query 数 = k+1）。不同的只有两点：要算的 token 取自 token_ids + spec_token_ids
+（猜测不是请求的 token）；这 k+1 个位置每个都要 logits（第 i 个位置的 logits 判断第 i+1 个猜测）。
+被拒绝的猜测写进去的 K/V 留在槽里不管：num_computed_tokens 不把它们算进去，之后写这些位置时直接覆盖。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -192,8 +198,8 @@ class PagedKVCache:
 
     def plan(self, seqs, num_new_tokens: list[int]) -> "FlatAttentionMetadata":
         """seqs[i] 这一步算 num_new_tokens[i] 个 token（从它的 num_computed_tokens 起）。只算 1 个的并成一段
-        （decode，或 prefill 恰好只分到 1 个 token：注意力的做法相同），其余每个一段。算到最后一个 token 的请求要采样，
-        它们按 seqs 里的顺序给出 logits_index。"""
+        （decode，或 prefill 恰好只分到 1 个 token：注意力的做法相同），其余（prefill 的块、验证猜测的 k+1 个）每个一段。
+        算到最后一个 token 的请求要采样，它们按 seqs 里的顺序给出 logits_index；验证猜测的请求给 1 + len(spec_token_ids) 个。"""
         singles = [i for i, n in enumerate(num_new_tokens) if n == 1]
         groups = ([singles] if singles else []) + [[i] for i, n in enumerate(num_new_tokens) if n > 1]
         segments = [self._plan_segment([seqs[i] for i in g], [num_new_tokens[i] for i in g]) for g in groups]
@@ -203,8 +209,9 @@ class PagedKVCache:
             for row, i in enumerate(g):
                 last[i] = start + row * L + L - 1
             start += B * L
-        sampling = [last[i] for i, (seq, n) in enumerate(zip(seqs, num_new_tokens))
-                    if seq.num_computed_tokens + n == seq.num_tokens]
+        sampling = [j for i, (seq, n) in enumerate(zip(seqs, num_new_tokens))   # 验证的行：最后 k+1 个位置都要
+                    if seq.num_computed_tokens + n == seq.num_tokens_with_spec
+                    for j in range(last[i] - len(seq.spec_token_ids), last[i] + 1)]
         dev = self.pool.device
         flat = FlatAttentionMetadata(segments,
                                      torch.cat([seg.input_ids.flatten() for seg in segments])[None],  # (1, T)
@@ -224,20 +231,20 @@ class PagedKVCache:
 
     def _plan_segment(self, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
         """一段：seqs[i] 这一步算位置 num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 的 token
-        （prefill：还没进池子的全部；decode：1 个）。调度器负责让块表覆盖到要算的最后一个位置；
+        （prefill：还没进池子的全部；decode：1 个，带 k 个猜测时 k+1 个）。调度器负责让块表覆盖到要算的最后一个位置；
         没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
         bs, dev = self.block_size, self.pool.device
         for seq, n in zip(seqs, num_new_tokens):
             end = seq.num_computed_tokens + n
-            if not seq.num_computed_tokens < end <= seq.num_tokens:
+            if not seq.num_computed_tokens < end <= seq.num_tokens_with_spec:
                 raise RuntimeError(f"cannot compute {n} new tokens of a sequence with {seq.num_computed_tokens} of "
-                                   f"{seq.num_tokens} tokens computed")
+                                   f"{seq.num_tokens_with_spec} tokens computed")
             if end > len(seq.block_table) * bs:
                 raise RuntimeError(f"block table of {len(seq.block_table)} blocks x {bs} slots does not cover "
                                    f"position {end - 1}: the scheduler must allocate blocks first")
         B = len(seqs)
-        news = [seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]    # 每行这次要算的 token
-                for seq, n in zip(seqs, num_new_tokens)]
+        news = [(seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens:seq.num_computed_tokens + n]
+                for seq, n in zip(seqs, num_new_tokens)]                          # 每行这次要算的 token（含猜测）
         L = max(len(t) for t in news)
         # 每行只用到这次要算的最后一个位置所在的块（一个提示词的块在接纳时一次分好，分块 prefill 的前几块用不到后面的块）
         tables = [seq.block_table[:-(-(seq.num_computed_tokens + n) // bs)] for seq, n in zip(seqs, num_new_tokens)]
@@ -300,7 +307,8 @@ class FlatAttentionMetadata(KVCache):
     segments: list[AttentionMetadata]   # 按在行里的顺序：先是全部单 token 的（decode）一段，再是每个 prefill 块一段
     input_ids: torch.Tensor             # (1, T)  各段的新 token 首尾相接
     positions: torch.Tensor             # (1, T)  每个 token 在它自己的请求里的位置
-    logits_index: torch.Tensor          # (R,)    要采样的请求（这次算到了它的最后一个 token）的最后一个 token 在行里的下标
+    logits_index: torch.Tensor          # (R,)    要采样的请求（这次算到了它的最后一个 token）的最后一个 token 在行里的下标；
+                                        #         验证猜测的请求是它最后 k+1 个 token 的下标
     pool: torch.Tensor                  # (layers, 2, num_blocks + 1, H_kv, block_size, D)
     # paged：整行一次写入、一次内核调用（gather 时是 None，每段各自写、读、算）
     slot_mapping: Optional[torch.Tensor] = None   # (T,)  行里第 t 个 token 的 K/V 写到哪个槽

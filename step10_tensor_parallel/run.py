@@ -1,11 +1,13 @@
-"""step10_tensor_parallel：一个模型切在 tp × pp 个进程上（torch.distributed，gloo），与一个进程逐 token 相同。
+"""step10_tensor_parallel：一个模型切在 tp × pp 个进程上（torch.distributed，gloo），输出与一个进程（step09）相同。
 
+    python step10_tensor_parallel/run.py [--quick] [--json]                          # 章节模式（chapter.py）
     python step10_tensor_parallel/run.py --prompt "..." --tp 3                      # 自己起 3 个进程（torch.multiprocessing）
     torchrun --nproc-per-node 3 step10_tensor_parallel/run.py --prompt "..." --tp 3
     torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-endpoint 127.0.0.1:29500 \\
-        step10_tensor_parallel/run.py --prompt "..." --pp 2                         # 再在另一个终端用 --node-rank 1
+        step10_tensor_parallel/run.py --prompt "..." --pp 2                         # 另一个终端里 --node-rank 1
 
---tp 1 --pp 1（默认）就是一个进程，与 step08 的引擎相同。--no-chunked-prefill 用 step06 的引擎（只能一个进程）。
+--tp 1 --pp 1（默认）就是一个进程，与 step09 的引擎相同；step09 的全部参数照旧（投机解码的猜测只在 rank 0 上做）。
+--no-chunked-prefill 用 step06 的引擎，只能一个进程。
 """
 import os
 import sys
@@ -19,26 +21,32 @@ from common.device import pick_device, pick_dtype  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.prepare import resolve_model  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
-from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
+from step02_sampling.sampler import params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
-from step08_kv_quant import run as step08_run  # noqa: E402
+from step09_speculative import run as run09  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
 from step10_tensor_parallel.distributed import forward_comm_seconds, launch, serve_worker  # noqa: E402
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard  # noqa: E402
-from step10_tensor_parallel.quant import kv_format  # noqa: E402
 
-
-PRELOAD = ("common.cli", "step08_kv_quant.run")   # 这个文件顶部 import 的重模块：forkserver 先 import 好（distributed.py）
+PRELOAD = ("common.cli", "step09_speculative.run")   # 这个文件顶部 import 的重模块：forkserver 先 import 好（distributed.py）
 
 
 def make_parser() -> cli.Parser:
-    p = step08_run.make_parser()
+    p = run09.make_parser()                              # step09 的全部参数
     p.description = __doc__.splitlines()[0]
     g = p.add_argument_group("并行")
     g.add_argument("--tp", type=cli.positive_int, default=1, help="张量并行：一个 stage 里几个进程分每一层（要整除头数）")
     g.add_argument("--pp", type=cli.positive_int, default=1, help="流水线并行：层分成几个 stage")
     return p
+
+
+def check_args(args) -> None:
+    run09.check_args(args)
+    if args.tp * args.pp > 1 and args.no_chunked_prefill:
+        raise UserError("--no-chunked-prefill runs step06's engine in one process: drop --tp/--pp")
+    if args.tp * args.pp > 1 and args.device == "cuda":
+        raise UserError("--tp/--pp > 1 run CPU processes over gloo here (GPUs would use NCCL): use --device cpu")
 
 
 def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
@@ -47,46 +55,47 @@ def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
                                             kv_dtype=args.kv_dtype) for r in range(args.tp * args.pp))
 
 
+def engine_for(args, s: cli.Session, num_blocks: int, parallel, draft_model=None):
+    """--no-chunked-prefill → step09 的 run.py 选的那个（step06 / step05 的引擎）；否则 step10 的。"""
+    if args.no_chunked_prefill:
+        return run09.engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
+    config = step10.EngineConfig(num_blocks, args.block_size, args.max_batch_size, args.max_num_batched_tokens,
+                                 not args.no_prefix_cache, attention=args.attention, kv_dtype=args.kv_dtype,
+                                 preempt=args.preempt, spec_method=run09.spec_method(args),
+                                 num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    return step10.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, draft_model=draft_model,
+                            parallel=parallel if parallel.world_size > 1 else None)
+
+
 def main(args) -> bool:
     if os.environ.get("RANK", "0") != "0":       # torchrun 起的其他 rank：什么也不打印（出错由 rank 0 报告）
         sys.stdout = sys.stderr = open(os.devnull, "w")
     params, stop = params_from_args(args), cli.stop_from_args(args)
-    step08_run.check_args(args)
-    world = args.tp * args.pp
-    if world > 1 and args.no_chunked_prefill:
-        raise UserError("--no-chunked-prefill runs step06's engine in one process: drop --tp/--pp")
-    if world > 1 and args.device == "cuda":
-        raise UserError("--tp/--pp > 1 run CPU processes over gloo here (GPUs would use NCCL): use --device cpu")
-    device = "cpu" if world > 1 else pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    path = resolve_model(args.model)
+    check_args(args)
+    device = "cpu" if args.tp * args.pp > 1 else pick_device(args.device)
+    path, dtype = resolve_model(args.model), pick_dtype(args.dtype, device)
     cfg = ModelConfig.from_dir(path)
     check_parallel(cfg, args.tp, args.pp)
+    s = cli.Session(None, Tokenizer(path), cfg, path, device, dtype)
     if args.prompt is None:
-        raise UserError("chapter mode of step10 is not written yet: give --prompt")
-    tok = Tokenizer(path)
-    s = cli.Session(None, tok, cfg, path, device, dtype)
+        from step10_tensor_parallel.chapter import Chapter
+        return Chapter(args, s).run()
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]   # 坏输入在起进程之前报告
     requests = [q for ids in prompt_ids
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype), preload=PRELOAD) as parallel:
-        s.model = load_shard(path, parallel, device, dtype)
-        if args.no_chunked_prefill:
-            engine = step08_run.engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
-        else:
-            config = step10.EngineConfig(num_blocks, args.block_size, args.max_batch_size, args.max_num_batched_tokens,
-                                         not args.no_prefix_cache, args.kv_dtype, args.preempt, attention=args.attention)
-            engine = step10.LLMEngine(s.model, config, tok, tok.eos_ids, parallel=parallel if world > 1 else None)
+        s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
+        engine = engine_for(args, s, num_blocks, parallel, run09.load_draft(args, s))
         outputs, st = engine.generate(requests)
-        comm = engine.close() if world > 1 else []
+        comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)
-    fmt = kv_format(args.kv_dtype, dtype)
-    per_token = s.model.cfg.kv_bytes_per_token(dtype.itemsize) if fmt is None else fmt.bytes_per_token(s.model.cfg, args.block_size)
     weights = sum(p.nbytes for p in s.model.parameters())
-    print(f"\n{args.tp} × {args.pp} 个进程（tp × pp）：rank 0 的权重 {weights / 2**20:.1f} MiB，池子每 token {per_token:.0f} 字节"
-          f"（本 rank 的 KV 头与层），{num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向，抢占 {st.preemptions} 次")
+    kv = step10.PagedKVCache.bytes_per_block(s.model.cfg, args.block_size, dtype,
+                                             step10.kv_format(args.kv_dtype, dtype)) / args.block_size
+    print(f"\n{args.tp} × {args.pp} 个进程（tp × pp）：rank 0 的权重 {weights / 2**20:.1f} MiB，KV 每 token {kv:.0f} 字节"
+          f"（本 rank 的层与 KV 头）；池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向，抢占 {st.preemptions} 次")
     for rank, ops in enumerate(comm):
         print(f"  rank {rank}: " + "，".join(f"{k} {v[0]} 次 {v[1] / 1024:.0f} KiB" for k, v in ops.items() if k != "forward")
               + f"；前向 {ops['forward'][2]:.2f} s，其中通信 {forward_comm_seconds(ops):.2f} s")
@@ -94,9 +103,9 @@ def main(args) -> bool:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
         for res, cached in zip(out["results"], st.cached_tokens):
             res["cached_tokens"] = cached
-        out["stats"] = {"tp": args.tp, "pp": args.pp, "num_blocks": num_blocks, "forwards": st.num_forwards,
-                        "preemptions": st.preemptions, "weight_bytes_rank0": weights, "kv_bytes_per_token_rank0": per_token,
-                        "comm": comm}
+        out["stats"] = {"tp": args.tp, "pp": args.pp, "num_blocks": num_blocks, "block_size": args.block_size,
+                        "forwards": st.num_forwards, "preemptions": st.preemptions, "weight_bytes_rank0": weights,
+                        "kv_bytes_per_token_rank0": kv, "comm": comm}
         cli.emit_json(out)
     return True
 

@@ -16,6 +16,11 @@
   的都早到）。第二层装不下，或者它一个 token 都还没算：退回重算。换入的块内容与换出时逐位相同，之后的计算与从未
   被抢占时完全相同。
 
+- step09 的投机解码：decode 中带着 k 个猜测的请求这一步算 1 + k 个 token（上一步采样出的 token + k 个猜测），
+  占 1 + k 个预算；它们要写的槽在前向之前就分好（lookahead）。猜测是锦上添花：每个 decode 先保证 1 个 token，
+  预算还有剩才给猜测；写猜测的块只从空闲的块里拿，从不为此抢占别人——拿不到、预算不够就少猜几个（_fit_spec）。
+  被抢占的请求扔掉它的猜测（下一步重新猜）。
+
 schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；decode：1）。
 引擎只看这个数，不用区分 prefill 和 decode（nano-vllm 的 postprocess 也是这个形状）。
 
@@ -37,7 +42,7 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
     is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
-    num_decode_tokens: int        # 其中 decode 的 token 数（seqs 开头的这么多个请求各 1 个）
+    num_decode_tokens: int        # 其中 decode 的 token 数（已经在 decode 的请求各 1 个，加上它们要验证的猜测）
 
 
 class Scheduler:
@@ -60,9 +65,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         num_queued = len(self.waiting) + len(self.swapped)
         self._grow_for_decode()
-        seqs = [seq for seq in self.running if not seq.in_prefill]      # 1) decode：各 1 个 token
-        num_new = [1] * len(seqs)
+        seqs = [seq for seq in self.running if not seq.in_prefill]      # 1) decode：各 1 个 token + 猜测
         budget = self.max_num_batched_tokens - len(seqs)
+        for seq in seqs:
+            budget -= self._fit_spec(seq, budget)
+        num_new = [1 + len(seq.spec_token_ids) for seq in seqs]
+        num_decode = sum(num_new)
         for seq in self.running:                                        # 2) 还没 prefill 完的，按进入的先后
             if seq.in_prefill and budget > 0:
                 seqs.append(seq)
@@ -74,8 +82,18 @@ class Scheduler:
                 seqs.append(seq)
                 num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
                 budget -= num_new[-1]
-        num_decode = sum(not seq.in_prefill for seq in seqs)
         return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
+
+    def _fit_spec(self, seq: Sequence, budget: int) -> int:
+        """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上，
+        空闲的块不够就只猜到块表的末尾。返回留下的猜测数。"""
+        seq.trim_spec(budget)
+        bm = self.block_manager
+        need = bm.blocks_for(seq.num_tokens_with_spec) - len(seq.block_table)
+        if need > 0 and bm.can_allocate(need):
+            seq.block_table += bm.allocate(need)
+        seq.trim_spec(len(seq.block_table) * bm.block_size - seq.num_tokens)
+        return len(seq.spec_token_ids)
 
     def _admit(self, budget: int) -> list[Sequence]:
         """按先来先服务从等待队列头部接纳请求，直到批满、这一步的预算被前面接纳的用完或块不够。
@@ -132,6 +150,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """能换出就换出（保留 KV）；否则重算式抢占：扔掉它的 KV（释放全部块），保留已生成的 token，
         重新被接纳时 prefill 提示词 + 已生成部分。"""
+        seq.trim_spec(0)              # 猜测作废：回来以后重新猜
         n = self.block_manager.blocks_for(seq.num_computed_tokens)   # 存着已算好 token 的块（最后一块可能没写满）
         if self.swap is not None and n > 0 and self.swap.can_swap_out(n):
             seq.swap_handle = self.swap.swap_out(seq.block_table[:n], seq.num_computed_tokens)   # 先拷走，再还块

@@ -4,7 +4,8 @@ Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生�
 状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。step06 加两项前缀缓存的账：提示词里有几个
 token 直接用了缓存（num_cached_tokens），块表开头有几块已经登记进缓存。step07 的 prefill 可能分好几步做完，
 所以请求自己记着它还在不在 prefill（in_prefill）。step08 的换出式抢占多一个状态 SWAPPED：它的 K/V 在第二层
-（swap_handle），重新接纳时拷回来，接着往下算。
+（swap_handle），重新接纳时拷回来，接着往下算。step09 的投机解码：decode 中的请求每步可以带几个猜测
+（spec_token_ids，提议者给出）一起进前向；猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来。
 """
 import enum
 from dataclasses import dataclass, field
@@ -55,10 +56,28 @@ class Sequence:
     finish_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻
     stall_time: float = 0.0       # 已经有输出、却因为这一步在给别人做 prefill 而干等的时间
+    # step09：投机解码
+    spec_token_ids: list[int] = field(default_factory=list)   # 这一步要验证的猜测（每步开头给出，验证完清空）
+    spec_probs: Optional[torch.Tensor] = None   # (len(spec_token_ids), V)：猜测是从哪些分布 q 抽的；None = one-hot
+    num_spec_proposed: int = 0    # 一共验证过几个猜测
+    num_spec_accepted: int = 0    # 其中被接受的
+    spec_recent: list[float] = field(default_factory=list)   # 最近几次验证各自的接受率（按请求关掉投机用）
+    spec_paused_steps: int = 0    # > 0：接受率太低，这么多步里不猜（engine.py 的 SPEC_* 常数）
 
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """step09：这一步的前向一直算到哪：已有的 token 加上要验证的猜测。"""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    def trim_spec(self, n: int) -> None:
+        """step09：只留前 n 个猜测（预算、块、max_new_tokens 不够时）。"""
+        self.spec_token_ids = self.spec_token_ids[:max(n, 0)]
+        if self.spec_probs is not None:
+            self.spec_probs = self.spec_probs[:len(self.spec_token_ids)] if self.spec_token_ids else None
 
     @property
     def token_ids(self) -> list[int]:

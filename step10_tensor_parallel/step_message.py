@@ -8,8 +8,8 @@
 布局（int32，第一个数 < 0 就是 END：这个引擎结束了）：
 
     [R, T, n_table, n_copy]                                          头：请求数、新 token 总数、块表总长、换出/换入的拷贝数
-    R × [num_computed_tokens, num_new_tokens, num_tokens, len(block_table)]
-    T 个新 token id                                                  每个请求这一步要算的 token，首尾相接
+    R × [num_computed_tokens, num_new_tokens, num_tokens, len(spec_token_ids), len(block_table)]
+    T 个新 token id                                                  每个请求这一步要算的 token（验证的行：最后几个是猜测），首尾相接
     n_table 个块号                                                   每个请求的块表，首尾相接
     n_copy × [方向, 池子块号, 第二层块号]                             --preempt swap：调度器这一步做的拷贝（swap.py），
                                                                      每个 rank 对自己那一份池子照做一遍
@@ -26,22 +26,31 @@ import torch
 
 from step04_static_batching.batch import PAD_ID
 
-HEADER, ROW = 4, 4
+HEADER, ROW = 4, 5
 
 
 @dataclass
 class WorkerSeq:
-    """worker 眼里的一个请求：只有这一步用得到的东西。位置 num_computed_tokens 之前的 token 已经以 K/V 的形式
-    在每个 rank 自己的池子里，worker 不需要知道它们是什么。"""
+    """worker 眼里的一个请求：只有这一步用得到的东西（plan 读的那几项，与 Sequence 同名）。位置 num_computed_tokens
+    之前的 token 已经以 K/V 的形式在每个 rank 自己的池子里，worker 不需要知道它们是什么。"""
     num_computed_tokens: int
     num_tokens: int
     block_table: list[int]
-    new_token_ids: list[int]       # 位置 num_computed_tokens 起、这一步要算的 token
+    new_token_ids: list[int]       # 位置 num_computed_tokens 起、这一步要算的 token（含猜测）
+    num_spec: int                  # 其中最后几个是猜测
 
     @property
     def token_ids(self) -> list[int]:
-        """与 Sequence.token_ids 同样的下标：plan 只取 [num_computed_tokens : num_computed_tokens + n]，之前的位置填 PAD。"""
-        return [PAD_ID] * self.num_computed_tokens + self.new_token_ids
+        """与 Sequence.token_ids 同样的下标：plan 只取 [num_computed_tokens : …]，之前的位置填 PAD。"""
+        return [PAD_ID] * self.num_computed_tokens + self.new_token_ids[:len(self.new_token_ids) - self.num_spec]
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.new_token_ids[len(self.new_token_ids) - self.num_spec:]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + self.num_spec
 
 
 class StepPlan(NamedTuple):
@@ -62,8 +71,8 @@ def encode_plan(seqs, num_new_tokens: list[int], swap_copies: list, numel: int) 
     rows, ids, tables = [], [], []
     for seq, n in zip(seqs, num_new_tokens):
         c = seq.num_computed_tokens
-        rows += [c, n, seq.num_tokens, len(seq.block_table)]
-        ids += seq.token_ids[c:c + n]
+        rows += [c, n, seq.num_tokens, len(seq.spec_token_ids), len(seq.block_table)]
+        ids += (seq.token_ids + seq.spec_token_ids)[c:c + n]     # 与 plan 取的同一段
         tables += seq.block_table
     flat = [len(seqs), len(ids), len(tables), len(swap_copies)] + rows + ids + tables + [x for cp in swap_copies for x in cp]
     if len(flat) > numel:   # plan_numel 算错了：是 bug，不是用户的错
@@ -82,8 +91,8 @@ def decode_plan(buf: torch.Tensor) -> Optional[StepPlan]:
     rows = [v[HEADER + ROW * i:HEADER + ROW * (i + 1)] for i in range(R)]
     at_ids, at_table = HEADER + ROW * R, HEADER + ROW * R + T
     seqs, num_new = [], []
-    for c, n, num_tokens, n_blocks in rows:
-        seqs.append(WorkerSeq(c, num_tokens, v[at_table:at_table + n_blocks], v[at_ids:at_ids + n]))
+    for c, n, num_tokens, n_spec, n_blocks in rows:
+        seqs.append(WorkerSeq(c, num_tokens, v[at_table:at_table + n_blocks], v[at_ids:at_ids + n], n_spec))
         num_new.append(n)
         at_ids, at_table = at_ids + n, at_table + n_blocks
     at = HEADER + ROW * R + T + n_table

@@ -157,20 +157,22 @@ def workload(n: int = 6) -> list[Request]:
                     else SamplingParams(), ignore_eos=True) for i, p in enumerate(prompts)][:n]
 
 
-# 名字 → (引擎配置, 请求数)：池子小到一定抢占，预算 16 让长提示词分块 prefill
+# 名字 → (引擎配置, 请求数)：池子小到一定抢占，预算 16 让长提示词分块 prefill；"draft"：投机解码，完整模型自己当
+# 草稿（只在 rank 0 上），贪心的请求每步都有 k 个猜测要验证——计划里带着猜测的行
 CASES = {"recompute": (EngineConfig(20, 4, 4, 16), 6),
-         "swap-gather": (EngineConfig(20, 4, 4, 16, preempt="swap", attention="gather"), 6)}
+         "swap-gather": (EngineConfig(20, 4, 4, 16, preempt="swap", attention="gather"), 6),
+         "draft": (EngineConfig(40, 4, 4, 32, spec_method="draft", num_spec_tokens=3), 6)}
 # TP = 4：4 个进程在 2 核上每次 all-reduce 都要轮流调度 4 次，慢得多；它要证明的是复制的 KV 头，小批就够了
 SMALL = {"replicated-kv": (EngineConfig(20, 4, 4, 16), 3)}
 
 
-def run_engine(model, config, requests, parallel=None):
-    engine = LLMEngine(model, config, parallel=parallel)
+def run_engine(model, config, requests, draft, parallel=None):
+    engine = LLMEngine(model, config, draft_model=draft if config.spec_method == "draft" else None, parallel=parallel)
     engine.model = rec = Recorder(engine.model)
     out, st = engine.generate(requests)
     comm = engine.close()
     assert pool_is_free(engine)
-    return out, st, rec.logits, comm
+    return out, st, rec.logits, comm, engine.spec_stats
 
 
 @pytest.fixture(params=LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in LAYOUTS])
@@ -190,9 +192,12 @@ def test_parallel_engine_equals_one_process(group, full):
     logits_fn = lambda ids: full(torch.tensor([ids]), torch.arange(len(ids))[None])[0]   # noqa: E731
     for name, (config, n) in (SMALL if par.tp_size == 4 else CASES).items():
         requests = workload(n)
-        ref, st_ref, ref_logits, _ = run_engine(full, config, requests)
-        out, st, got_logits, comm = run_engine(model, config, requests, par)
-        assert st.preemptions == st_ref.preemptions and (st.preemptions > 0 or n < 6), name
+        if name == "draft":
+            requests = [Request(r.prompt_ids, r.max_new_tokens, ignore_eos=True) for r in requests]   # 贪心
+        ref, st_ref, ref_logits, _, spec_ref = run_engine(full, config, requests, full)
+        out, st, got_logits, comm, spec = run_engine(model, config, requests, full, par)
+        assert st.preemptions == st_ref.preemptions and (st.preemptions > 0 or n < 6 or name == "draft"), name
+        assert spec == spec_ref and (spec.accepted > 0) == (name == "draft"), name
         results = [compare(f"{name}/request {i}", r.prompt_ids, a, b, logits_fn, MARGIN_TOL[torch.float32],
                            draw_margin(r.params)) for i, (r, a, b) in enumerate(zip(requests, ref, out))]
         assert all(c.ok for c in results), [c.describe() for c in results if not c.ok]
