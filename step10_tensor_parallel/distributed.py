@@ -49,6 +49,7 @@ COMM_TIMEOUT = datetime.timedelta(seconds=120)   # 一次层内通信最多等�
 IDLE_TIMEOUT = datetime.timedelta(minutes=30)    # worker 等下一步计划最多等多久
 ROOT_CAUSE_WAIT = 3.0                            # rank 0 通信失败后，等出错的 worker 把原因写进 store 的时间
 END = -1                                         # 计划缓冲区的第一个数是 END：这个引擎结束了（step_message.py）
+PRELOAD = ("common.cli",)                        # 每个 run.py 顶部都 import 它（带进 transformers）：forkserver 先 import 好
 
 
 class CommError(RuntimeError):
@@ -337,12 +338,13 @@ def _reap(procs, graceful: bool) -> None:
 
 @contextmanager
 def launch(tp: int, pp: int, worker_main: Callable = serve_worker, worker_args: tuple = (),
-           threads: Optional[int] = None, timeout=COMM_TIMEOUT, preload: tuple[str, ...] = ()) -> Iterator[ParallelContext]:
+           threads: Optional[int] = None, timeout=COMM_TIMEOUT, preload: tuple[str, ...] = PRELOAD
+           ) -> Iterator[ParallelContext]:
     """进入时：本进程成为 rank 0，其余 tp·pp − 1 个 rank 跑 worker_main(parallel, *worker_args)。
     - torchrun 起的（环境变量里有 RANK、WORLD_SIZE）：每个进程都走到这里；rank ≠ 0 就地跑 worker_main，然后退出进程。
     - 否则 tp·pp > 1 时用 torch.multiprocessing（spawn）起子进程；tp·pp = 1 时什么也不起（一个进程，与 step09 相同）。
     退出时（正常、出错、Ctrl-C）：见文件开头"进程一个不剩地收掉"。"""
-    world, procs = tp * pp, []
+    world, procs, threads_before = tp * pp, [], torch.get_num_threads()
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # torchrun
         if int(os.environ["WORLD_SIZE"]) != world:
@@ -385,4 +387,5 @@ def launch(tp: int, pp: int, worker_main: Callable = serve_worker, worker_args: 
         if dist.is_initialized():
             dist.destroy_process_group()
         _reap(procs, graceful=ok)
+        torch.set_num_threads(threads_before)
 

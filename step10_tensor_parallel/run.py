@@ -29,9 +29,6 @@ from step10_tensor_parallel import engine as step10  # noqa: E402
 from step10_tensor_parallel.distributed import forward_comm_seconds, launch, serve_worker  # noqa: E402
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard  # noqa: E402
 
-PRELOAD = ("common.cli", "step09_speculative.run")   # 这个文件顶部 import 的重模块：forkserver 先 import 好（distributed.py）
-
-
 def make_parser() -> cli.Parser:
     p = run09.make_parser()                              # step09 的全部参数
     p.description = __doc__.splitlines()[0]
@@ -85,7 +82,7 @@ def main(args) -> bool:
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
-    with launch(args.tp, args.pp, serve_worker, (path, device, dtype), preload=PRELOAD) as parallel:
+    with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
         s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
         engine = engine_for(args, s, num_blocks, parallel, run09.load_draft(args, s))
         outputs, st = engine.generate(requests)
