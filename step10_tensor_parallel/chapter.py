@@ -163,7 +163,8 @@ class Chapter:
                 b = step10.PagedKVCache(model.cfg, 1, self.bs, s.device, s.dtype).pool[:, :, 0].nbytes
                 rows.append([f"TP {tp} × PP {pp}", f"rank {rank}（层 {shard.layers.start}–{shard.layers.stop - 1}，"
                              f"KV 头 {shard.kv_heads.start}–{shard.kv_heads.stop - 1}）", f"{w / 2**20:.1f}",
-                             f"{w / full:.3f}", f"{b / 2**10:.1f}", step10.num_blocks_for_budget(model.cfg, self.bs, s.dtype)])
+                             f"{w / full:.3f}", f"{b / 2**10:.1f}",
+                             step10.num_blocks_for_budget(model.cfg, self.bs, s.dtype)])
                 if (tp, pp, rank) == (self.tp, 1, 0):
                     self.figures["tp_weight_bytes_per_rank_ratio"] = round(w / full, 4)
                     self.figures["tp_kv_capacity_ratio"] = round(per_block / b, 4)
@@ -202,6 +203,13 @@ class Chapter:
     def communication(self):
         stage(f"\n[3] 每个 decode 步：TP = 1、TP = {self.tp}、PP = {self.pp} 各跑同样的 decode 负载 ...")
         runs = {"TP 1": self.decode(self.s.model)}
+        threads = torch.get_num_threads()
+        if threads > 1:   # 同一个进程只用 1 个线程：与每个 rank 的线程数相同（机器上别的进程抢 CPU 时，多线程的一步会慢很多）
+            torch.set_num_threads(1)
+            try:
+                runs["TP 1（1 线程）"] = self.decode(self.s.model)
+            finally:
+                torch.set_num_threads(threads)
         for tp, pp in ((self.tp, 1), (1, self.pp)):
             with self.group(tp, pp) as (par, model):
                 runs[f"TP {tp}" if pp == 1 else f"PP {pp}"] = self.decode(model, par)
@@ -214,13 +222,17 @@ class Chapter:
             rows.append([name, f"{run['step_s'] * 1e3:.1f}", f"{run['step_s'] / base['step_s']:.2f}",
                          *(f"{ps[k][0]:.0f} 次 / {ps[k][1] / 1024:.1f} KiB" if k in ps else "-"
                            for k in ("all_reduce", "gather", "send", "recv", "broadcast"))])
-        print(f"机器: {machine()}；批 {B}，每个配置 {base['steps']} 个 decode 步，时间取中位数（去掉前两步）")
+        print(f"机器: {machine()}；批 {B}，每个配置 {base['steps']} 个 decode 步，时间取中位数（去掉前两步）；"
+              f"TP 1 用 {torch.get_num_threads()} 个线程，多进程时每个 rank 1 个")
         print(table(["配置", "decode 一步 (ms)", "÷ TP 1", "all-reduce", "gather（logits）", "send", "recv",
                      "broadcast（计划）"], rows))
         ar = tp_run["per_step"]["all_reduce"]
         self.figures.update({"allreduce_per_step": round(ar[0], 2), "allreduce_bytes_per_step": round(ar[1]),
                              "step_time_ratio_tp3_vs_tp1": round(tp_run["step_s"] / base["step_s"], 4),
                              "step_time_ratio_pp2_vs_pp1": round(pp_run["step_s"] / base["step_s"], 4)})
+        if "TP 1（1 线程）" in runs:
+            one = runs["TP 1（1 线程）"]["step_s"]
+            self.figures["step_time_ratio_tp3_vs_tp1_one_thread"] = round(tp_run["step_s"] / one, 4)
         self.checks["allreduce_count_is_two_per_layer_plus_embedding"] = ar[0] == 2 * self.s.cfg.num_layers + 1
         rows, fractions = [], []
         for name in (f"TP {self.tp}", f"PP {self.pp}"):
@@ -269,7 +281,8 @@ class Chapter:
         rows = []
         for name, bw, lat, source in LINKS:
             # all-reduce 每次按环形算；logits 的 gather：rank 0 收另外 tp − 1 份
-            t_tp = n_ar * ring_allreduce_seconds(ar_bytes, tp, bw, lat) + g[0] * (lat + (tp - 1) * g[1] / max(g[0], 1) / bw)
+            t_tp = (n_ar * ring_allreduce_seconds(ar_bytes, tp, bw, lat)
+                    + g[0] * (lat + (tp - 1) * g[1] / max(g[0], 1) / bw))
             t_pp = p2p[0] * lat + p2p[1] / bw
             rows.append([name, f"{bw / 1e9:.1f}", f"{lat * 1e6:.0f}", f"{t_tp * 1e3:.3f}", f"{t_pp * 1e3:.3f}", source])
         print(table(["互连", "单向带宽 (GB/s)", "每跳延迟 (µs)", f"TP {tp} 每步通信 (ms)", f"PP {pp} 每步通信 (ms)",

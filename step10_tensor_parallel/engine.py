@@ -219,7 +219,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.parallel is not None:   # 同一份计划发给每个 rank：它们跑同一次前向（run_worker）
             copies = self.swap.take_copies() if self.swap is not None else []
-            self.parallel.broadcast_plan(encode_plan(batch.seqs, batch.num_new_tokens, copies, self.parallel.plan_numel))
+            plan = encode_plan(batch.seqs, batch.num_new_tokens, copies, self.parallel.plan_numel)
+            self.parallel.broadcast_plan(plan)
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
         new = self._postprocess(batch, logits)

@@ -13,11 +13,12 @@
 注意力的头彼此独立（softmax 在每个头里做），MLP 的 SwiGLU 是逐元素的：所以"列切 → 本 rank 自己算 → 行切"中间
 不需要任何通信，一个注意力、一个 MLP 各一次 all-reduce，一层两次。KV cache 只存本 rank 的 KV 头：池子也是 1/TP。
 
-词表（embedding 与 lm_head，SmolLM2 里占全部权重的四成多）也按行切（vLLM 的 VocabParallelEmbedding / ParallelLMHead）：
+词表（embedding 与 lm_head，SmolLM2 float32 里两份共 216 MiB，占一个进程全部 621 MiB 权重的 35%）也按行切
+（vLLM 的 VocabParallelEmbedding / ParallelLMHead）：
 embedding 每个 rank 只查自己那段 token id，查不到的位置给 0，all-reduce 相加就是完整的查表（只有一个 rank 非 0，
 加法是精确的）；lm_head 每个 rank 算自己那段词表的 logits，gather 到本 stage 的第一个 rank 拼起来（采样在 rank 0）。
-为什么不复制这两块：复制时每个 rank 的权重是 (1/TP 的层 + 整个词表)，TP = 3 时每个 rank 仍有全部权重的 60%；
-每个 decode 步多出的通信只是一次 (T, E) 的 all-reduce 和一次 (R, V/TP) 的 gather（analysis/vocab_split.py 量了两种做法）。
+为什么不复制这两块：复制时每个 rank 的权重是 (1/TP 的层 + 整个词表)，TP = 3 时每个 rank 仍有全部权重的 57%；
+每个 decode 步多出的通信只是一次 (T, E) 的 all-reduce 和一次 (R, V/TP) 的 gather（章节模式的 [4] 量了两种做法）。
 
 KV 头少于 TP（tp > H_kv，tp 是 H_kv 的倍数）时照 vLLM 的做法复制 KV 头：每个 rank 1 个 KV 头，相邻的 tp / H_kv 个
 rank 存同一个（vllm/model_executor/layers/linear.py 的 QKVParallelLinear：num_kv_head_replicas）。query 头总是切开。
@@ -257,7 +258,8 @@ def checkpoint_slices(cfg: ModelConfig, shard: Shard) -> dict[str, tuple[str, Op
                                  ("mlp.gate_proj.weight", 0, shard.ffn), ("mlp.gate_proj.bias", 0, shard.ffn),
                                  ("mlp.up_proj.weight", 0, shard.ffn), ("mlp.up_proj.bias", 0, shard.ffn),
                                  ("mlp.down_proj.weight", 1, shard.ffn), ("mlp.down_proj.bias", None, None),
-                                 ("input_layernorm.weight", None, None), ("post_attention_layernorm.weight", None, None),
+                                 ("input_layernorm.weight", None, None),
+                                 ("post_attention_layernorm.weight", None, None),
                                  ("self_attn.q_norm.weight", None, None), ("self_attn.k_norm.weight", None, None)):
             if f"layers.{g}.{short}" in names:
                 out[f"layers.{i}.{short}"] = (f"layers.{g}.{short}", dim, part)

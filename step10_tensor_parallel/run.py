@@ -59,7 +59,8 @@ def engine_for(args, s: cli.Session, num_blocks: int, parallel, draft_model=None
     config = step10.EngineConfig(num_blocks, args.block_size, args.max_batch_size, args.max_num_batched_tokens,
                                  not args.no_prefix_cache, attention=args.attention, kv_dtype=args.kv_dtype,
                                  preempt=args.preempt, spec_method=run09.spec_method(args),
-                                 num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                                 num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min,
+                                 ngram_max=args.ngram_max)
     return step10.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, draft_model=draft_model,
                             parallel=parallel if parallel.world_size > 1 else None)
 
@@ -94,7 +95,8 @@ def main(args) -> bool:
     print(f"\n{args.tp} × {args.pp} 个进程（tp × pp）：rank 0 的权重 {weights / 2**20:.1f} MiB，KV 每 token {kv:.0f} 字节"
           f"（本 rank 的层与 KV 头）；池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向，抢占 {st.preemptions} 次")
     for rank, ops in enumerate(comm):
-        print(f"  rank {rank}: " + "，".join(f"{k} {v[0]} 次 {v[1] / 1024:.0f} KiB" for k, v in ops.items() if k != "forward")
+        talk = "，".join(f"{k} {v[0]} 次 {v[1] / 1024:.0f} KiB" for k, v in ops.items() if k != "forward")
+        print(f"  rank {rank}: {talk}"
               + f"；前向 {ops['forward'][2]:.2f} s，其中通信 {forward_comm_seconds(ops):.2f} s")
     if args.json:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)

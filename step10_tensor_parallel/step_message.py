@@ -64,7 +64,8 @@ def plan_numel(config, cfg) -> int:
     table = min(config.num_blocks, -(-cfg.max_position_embeddings // config.block_size) + 1)
     # 一步里换出的块 ≤ 第二层的块数（每块占第二层一块），换入的 ≤ 池子的块数
     copies = (config.swap_blocks or config.num_blocks) + config.num_blocks if config.preempt == "swap" else 0
-    return HEADER + ROW * config.max_batch_size + config.max_num_batched_tokens + config.max_batch_size * table + 3 * copies
+    R = config.max_batch_size
+    return HEADER + ROW * R + config.max_num_batched_tokens + R * table + 3 * copies
 
 
 def encode_plan(seqs, num_new_tokens: list[int], swap_copies: list, numel: int) -> torch.Tensor:
@@ -74,7 +75,8 @@ def encode_plan(seqs, num_new_tokens: list[int], swap_copies: list, numel: int) 
         rows += [c, n, seq.num_tokens, len(seq.spec_token_ids), len(seq.block_table)]
         ids += (seq.token_ids + seq.spec_token_ids)[c:c + n]     # 与 plan 取的同一段
         tables += seq.block_table
-    flat = [len(seqs), len(ids), len(tables), len(swap_copies)] + rows + ids + tables + [x for cp in swap_copies for x in cp]
+    flat = ([len(seqs), len(ids), len(tables), len(swap_copies)] + rows + ids + tables
+            + [x for cp in swap_copies for x in cp])
     if len(flat) > numel:   # plan_numel 算错了：是 bug，不是用户的错
         raise RuntimeError(f"step plan of {len(flat)} numbers does not fit the {numel}-number broadcast buffer")
     out = torch.zeros(numel, dtype=torch.int32)
