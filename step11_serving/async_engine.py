@@ -150,22 +150,21 @@ class AsyncLLMEngine:
     # ---------------- 循环：唯一碰引擎的地方 ----------------
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            self._apply()                                  # 两步之间：加入新请求、取消断开的请求
-            self._snapshot()
-            if not self.engine.has_unfinished_requests():
-                if self._closing:
-                    return
-                self._wake.clear()                         # 没活：睡到下一个 add / abort
-                await self._wake.wait()
-                continue
-            try:
+        try:
+            while True:
+                self._apply()                              # 两步之间：加入新请求、取消断开的请求
+                self._snapshot()
+                if not self.engine.has_unfinished_requests():
+                    if self._closing:
+                        return
+                    self._wake.clear()                     # 没活：睡到下一个 add / abort
+                    await self._wake.wait()
+                    continue
                 outs = await loop.run_in_executor(self._executor, self._step)
-            except Exception as e:                        # 引擎坏了：让每个等着的客户端都知道，不让它们挂着
-                self._fail(e)
-                return
-            self.num_steps += 1
-            self._dispatch(outs)
+                self.num_steps += 1
+                self._dispatch(outs)
+        except Exception as e:                             # 引擎（或这一层）坏了：让每个等着的客户端都知道，不让它们挂着
+            self._fail(e)
 
     def _step(self):
         with torch.inference_mode():                       # 线程局部的：在引擎线程里打开
@@ -208,7 +207,7 @@ class AsyncLLMEngine:
                 h.num_tokens[i] += len(out.new_token_ids)
                 if h.first_token[i] is None:
                     h.first_token[i] = now
-                    h.cached_tokens[i] = out.num_cached_tokens
+                    h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
             if out.finished:
                 del self._live[out.request_id]
                 self._finish(h, i, out.finish_reason, now, text + h.detoks[i].finish(), len(out.new_token_ids))

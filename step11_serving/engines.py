@@ -20,7 +20,9 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
     "step08": "step08_kv_quant",
 }
 DEFAULT_ENGINE = "step08"          # 最新的一步（step09 / step10 合并后改这里、加上面一行）
-DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算（模型 dtype）换算块数
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数（与各步 run.py 相同）
+# 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
+FLAG_NAMES = {"enable_prefix_caching": "--prefix-cache"}
 
 
 def engine_module(name: str):
@@ -30,7 +32,7 @@ def engine_module(name: str):
         mod = importlib.import_module(f"{ENGINES[name]}.engine")
     except ImportError as e:
         raise UserError(f"cannot import engine {name}: {e}") from None
-    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig")):
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget")):
         raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
     return mod
 
@@ -49,26 +51,27 @@ def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
     """把那一步 EngineConfig 的每个字段加成一个命令行参数（默认值取自 EngineConfig 本身）。"""
     g = parser.add_argument_group(f"{name} 的引擎参数（来自 {ENGINES[name]}.engine.EngineConfig）")
     for f, base, default in _fields(engine_module(name).EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
         if base is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         elif base is int:
-            g.add_argument(flag, type=positive_int, default=default, metavar="N")
+            g.add_argument(flag, dest=f.name, type=positive_int, default=default, metavar="N")
         elif base is float:
-            g.add_argument(flag, type=float, default=default)
+            g.add_argument(flag, dest=f.name, type=float, default=default)
         else:
-            g.add_argument(flag, type=str, default=default)
+            g.add_argument(flag, dest=f.name, type=str, default=default)
 
 
 def build_engine(name: str, session, args):
-    """按命令行参数建那一步的引擎。num_blocks 没给时按 DEFAULT_KV_MIB 的预算换算（与 step05 起的 run.py 相同）。"""
+    """按命令行参数建那一步的引擎。num_blocks 没给时用那一步自己的 num_blocks_for_budget 按 DEFAULT_KV_MIB 换算
+    （step08 的量化池子每 token 字节更少，同样的预算放更多块）。"""
+    from common.clock import WallClock
     mod = engine_module(name)
     kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
-        block_size = kw.get("block_size") or 16
-        per_block = session.cfg.kv_bytes_per_token(session.model.dtype.itemsize) * block_size
-        kw["num_blocks"] = DEFAULT_KV_MIB * 2**20 // per_block
-    from common.clock import WallClock
+        extra = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
+        kw["num_blocks"] = int(mod.num_blocks_for_budget(session.cfg, kw["block_size"], session.model.dtype,
+                                                         DEFAULT_KV_MIB, **extra))
     try:
         config = mod.EngineConfig(**kw)
         return mod.LLMEngine(session.model, config, tokenizer=session.tok, eos_ids=session.tok.eos_ids,
