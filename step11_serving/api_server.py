@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -147,12 +147,12 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings, metrics: Optional
             raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
         except EngineUnavailable as e:
             raise P.APIError(503, str(e), "server_error") from None
-        shape = P.ResponseShape.new(chat, s.model_name)
+        shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
         n = req.n
 
         def usage() -> dict:
             cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
-            return P.usage(inputs.prompt_tokens, sum(handle.num_tokens), cached)
+            return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -163,7 +163,7 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings, metrics: Optional
             handle.abort()
         if texts is None:                           # 客户端已经走了：这个响应没人收
             return Response(status_code=499)
-        return JSONResponse(shape.full(texts, reasons, usage()))
+        return JSONResponse(shape.full(texts, reasons, usage(), handle))
 
     router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
@@ -231,7 +231,7 @@ async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usag
                 started.add(d.index)
                 yield P.sse({**shape.role_chunk(d.index), **extra})
             if d.text or d.finish_reason:
-                yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason), **extra})
+                yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))
     except EngineUnavailable as e:                  # 响应头已经发出，只能在流里报错（vLLM 也这样）
@@ -314,6 +314,19 @@ class ServerThread:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+@contextmanager
+def serve_in_thread(session, engine, block_size: int, max_waiting: int = 64, **settings):
+    """把一个引擎挂到本机一个空闲端口上（run.py、chapter.py 用）：yield 跑着的 ServerThread，退出时优雅关闭。"""
+    metrics = ServerMetrics()
+    aengine = AsyncLLMEngine(engine, session.tok, max_waiting, metrics)
+    app = build_app(aengine, session.tok, settings_for(session, engine, block_size, **settings), metrics)
+    server = ServerThread(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ class Delta:
     """一个样本这一步的新东西。"""
     index: int                          # 第几个样本（choices 的 index）
     text: str                           # 可以显示的新文本（完整的字符，不含停止字符串）
-    num_tokens: int                     # 这一步新产出的 token 数
+    token_ids: list[int]                # 这一步新产出的 token
     finish_reason: Optional[str] = None  # 最后一个 Delta 才有："stop" / "length" / "abort"
 
 
@@ -58,7 +58,7 @@ class RequestHandle:
         self.request_ids: list[int] = []
         self.detoks = [IncrementalDetokenizer(owner.tokenizer, r.stop) for r in requests]
         self.first_token: list[Optional[float]] = [None] * n
-        self.num_tokens = [0] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.cached_tokens = [0] * n
         self.finish_reasons: list[Optional[str]] = [None] * n
         self.cancelled = False
@@ -204,22 +204,22 @@ class AsyncLLMEngine:
             h, i = entry
             text = h.detoks[i].push(out.new_token_ids)
             if out.new_token_ids:
-                h.num_tokens[i] += len(out.new_token_ids)
+                h.token_ids[i] += out.new_token_ids
                 if h.first_token[i] is None:
                     h.first_token[i] = now
                     h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
             if out.finished:
                 del self._live[out.request_id]
-                self._finish(h, i, out.finish_reason, now, text + h.detoks[i].finish(), len(out.new_token_ids))
+                self._finish(h, i, out.finish_reason, now, text + h.detoks[i].finish(), out.new_token_ids)
             else:
-                h.queue.put_nowait(Delta(i, text, len(out.new_token_ids)))
+                h.queue.put_nowait(Delta(i, text, out.new_token_ids))
 
-    def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", num_tokens: int = 0) -> None:
+    def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
         h.finish_reasons[i] = reason
-        h.queue.put_nowait(Delta(i, text, num_tokens, reason))
+        h.queue.put_nowait(Delta(i, text, list(token_ids), reason))
         if self.metrics is not None:
-            self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i], h.num_tokens[i],
-                                          h.arrival, h.first_token[i], now)
+            self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
+                                          len(h.token_ids[i]), h.arrival, h.first_token[i], now)
 
     def _snapshot(self) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager

@@ -201,20 +201,24 @@ def pct(xs, q) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * len(xs)) - 1))] if xs else float("nan")
 
 
+def encode_messages(tok, messages: list[dict]) -> list[int]:
+    """服务器对这段对话用的同一串 token（同一个对话模板）。"""
+    from step11_serving import protocol as P
+    return P.encode_chat(tok, [P.ChatMessage(**m) for m in messages])
+
+
 def offline_tok_s(args, model_dir: Path, recorded: list[list[dict]], max_tokens: int) -> float:
     """并发 8 那一档发给我们服务器的同样的请求，一次全交给 engine.generate()（都在 0 时刻到达）：没有 HTTP、没有闭环。"""
     import torch
     from step02_sampling.sampler import SamplingParams
     from step04_static_batching.request import Request
-    from step11_serving import protocol as P
     from step11_serving.engines import add_engine_args, build_engine
     torch.set_num_threads(args.threads)
     s = cli.open_session(str(model_dir), "cpu", "float32")
     p = argparse.ArgumentParser()
     add_engine_args(p, args.engine)
     engine = build_engine(args.engine, s, p.parse_args(["--max-batch-size", str(args.max_batch_size)]))
-    reqs = [Request(P.encode_chat(s.tok, [P.ChatMessage(**m) for m in msgs]), max_tokens, SamplingParams(),
-                    ignore_eos=True) for msgs in recorded]
+    reqs = [Request(encode_messages(s.tok, msgs), max_tokens, SamplingParams(), ignore_eos=True) for msgs in recorded]
     engine.generate(reqs[:2])                                           # 预热
     out = engine.generate(reqs)
     return out.stats.generated_tokens / out.stats.wall_s

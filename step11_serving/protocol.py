@@ -77,6 +77,7 @@ class _SamplingRequest(_Model):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
+    return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
     logprobs: object = None      # 不支持：给了非默认值就 400
     best_of: object = None
     echo: object = None
@@ -232,10 +233,11 @@ class ResponseShape:
     id: str
     model: str
     created: int
+    with_token_ids: bool = False
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> "ResponseShape":
-        return cls(chat, new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()))
+    def new(cls, chat: bool, model: str, with_token_ids: bool = False) -> "ResponseShape":
+        return cls(chat, new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), with_token_ids)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -245,12 +247,13 @@ class ResponseShape:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def delta_chunk(self, index: int, text: str, finish_reason: Optional[str]) -> dict:
+    def delta_chunk(self, index: int, text: str, finish_reason: Optional[str], token_ids: list[int]) -> dict:
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": index, "text": text}
-        return self._chunk({**choice, "logprobs": None, "finish_reason": finish_reason})
+        extra = {"token_ids": token_ids} if self.with_token_ids else {}
+        return self._chunk({**choice, "logprobs": None, "finish_reason": finish_reason, **extra})
 
     def _chunk(self, choice: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -259,12 +262,15 @@ class ResponseShape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": u}
 
     # 非流式
-    def full(self, texts: list[str], finish_reasons: list[str], u: dict) -> dict:
-        if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons))]
-        else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+    def full(self, texts: list[str], finish_reasons: list[str], u: dict, handle=None) -> dict:
+        """handle：with_token_ids 时从它取每个样本的提示词 / 输出 token 和前缀缓存命中数（num_cached_tokens 是我们的扩展）。"""
+        choices = []
+        for i, (t, f) in enumerate(zip(texts, finish_reasons)):
+            body = {"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}
+            c = {"index": i, **body, "logprobs": None, "finish_reason": f}
+            if self.with_token_ids:
+                c.update(prompt_token_ids=handle.requests[i].prompt_ids, token_ids=handle.token_ids[i],
+                         num_cached_tokens=handle.cached_tokens[i])
+            choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices, "usage": u}
 
