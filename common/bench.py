@@ -28,6 +28,25 @@ def median_time(fn, repeats: int = 3, warmup: int = 1, device="cpu") -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict, repeats: int, device, cpu: bool = False) -> dict:
+    """每个函数先预热一次，再轮流各跑 repeats 次，返回各自耗时的中位数（秒）。
+    cpu=True 时另返回进程 CPU 时间的中位数：机器上别的进程抢 CPU 时，墙钟会把"排队等 CPU"也算进去，
+    CPU 时间不会（内存带宽被别人占用的影响它也去不掉）。"""
+    for fn in fns.values():
+        fn()
+    wall, proc = {name: [] for name in fns}, {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            sync(device)
+            wall[name].append(time.perf_counter() - t)
+            proc[name].append(time.process_time() - c)
+    med = {name: statistics.median(t) for name, t in wall.items()}
+    return (med, {name: statistics.median(t) for name, t in proc.items()}) if cpu else med
+
+
 def memory_bandwidth(device="cpu", mib: int = 512, repeats: int = 5) -> float:
     """读带宽（字节/秒）：对一个远大于缓存的张量求和，每次都要把它从内存读一遍。"""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)

@@ -46,6 +46,32 @@ def make_parser(description: str) -> Parser:
     return p
 
 
+def override(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    """同样的命令行参数，改几项（章节模式用 run.py 自己的 engine_for 造"--no-X 时"的引擎）。"""
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def add_stop_arg(p: Parser) -> None:
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="停止字符串（可重复）：新生成的文本里出现它就停（包含补全它的那个 token），同 step02/03")
+
+
+def stop_from_args(args) -> tuple[str, ...]:
+    stop = tuple(args.stop or ())
+    if any(not t for t in stop):
+        raise UserError("--stop must not be empty")
+    return stop
+
+
+def add_paged_args(p: Parser, default_kv_mib: int) -> None:
+    """step05 起每个 run.py 都有的分页与调度参数。"""
+    g = p.add_argument_group("分页与调度")
+    g.add_argument("--block-size", type=positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
+    g.add_argument("--num-blocks", type=positive_int, default=None,
+                   help=f"池子的块数；默认按 {default_kv_mib} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）")
+    g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
+
+
 @dataclass
 class Session:
     model: torch.nn.Module

@@ -23,7 +23,7 @@ from step02_sampling.sampler import make_generator, sample
 from step03_kvcache_single.cache import PreallocKVCache
 from step04_static_batching.batch import MaskedCache, attention_mask, left_pad, positions
 from step04_static_batching.request import Request, Sequence
-from step04_static_batching.stats import EngineStats, StepStats
+from common.stats import EngineStats, StepStats
 
 
 class BatchOutput(NamedTuple):

@@ -1,9 +1,9 @@
 """请求（要什么）与它在批里的运行状态（做到哪了）。
 
-Request 只描述用户要什么：提示词、最多生成几个 token、采样参数、是否忽略 EOS、停止字符串，以及什么时候到达。
-step05 起沿用同一个 Request。
+Request 只描述用户要什么：提示词、最多生成几个 token、采样参数、是否忽略 EOS、停止字符串。
+step05 起的引擎沿用同一个 Request（什么时候到达不是请求的属性：调用方什么时候 add_request，它就什么时候到）。
 Sequence 是批里的一行（vLLM / nano-vllm 也叫 Sequence）：已生成的 token、是否已结束、它自己的随机数发生器、
-首 token 与结束的时刻。step05 的 Sequence 继承它，再加上分页的状态（块表、已进缓存的 token 数……）。
+首 token 与结束的时刻。step05 起每个引擎有自己的 Sequence（再加上分页的状态：块表、已进池子的 token 数……）。
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,8 +21,6 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)   # 默认贪心
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()        # 停止字符串：新生成的文本里出现任一个就停（同 step02 / step03）
-    arrival_s: float = 0.0            # 到达时刻（秒，相对本次运行开始）。step04 的静态批一开始就拿到全部请求，不看它；
-                                      # step05 起的引擎只接纳已经到达的请求（step07 的负载让请求陆续到达）
 
     def validate(self, context_len: int) -> None:
         """非法输入抛 UserError：在任何一个请求开始生成之前，先把所有请求都检查一遍。"""
@@ -33,8 +31,6 @@ class Request:
         if len(self.prompt_ids) + self.max_new_tokens > context_len:
             raise UserError(f"prompt has {len(self.prompt_ids)} tokens; with max_new_tokens {self.max_new_tokens} "
                             f"that exceeds the model's context of {context_len} tokens")
-        if not self.arrival_s >= 0:   # 也挡住 NaN
-            raise UserError(f"arrival time must be >= 0, got {self.arrival_s}")
         if any(not s for s in self.stop):
             raise UserError("stop strings must not be empty")
         self.params.validate()

@@ -1,290 +1,40 @@
 """step05_paged：分页 KV cache + 连续批处理 + 抢占 —— 每个请求与 step03 逐 token 一致，再与 step04 比吞吐与内存。
 
-章节模式：同一负载跑两次（默认池子；逼出抢占的小池子，贪心与带种子的采样混跑），逐请求与 step03 单独生成比较；
-再在同一负载上与 step04 静态批处理（它自己的引擎、自己的记账）比吞吐、TTFT/TPOT、KV 浪费、同样 KV 预算下的并发数；
-最后量一次 decode 前向：同样的批大小和上下文，step05 比 step04 多花的时间花在哪（gather 拷贝、plan()、注意力）。
-
-    python step05_paged/run.py [--quick] [--json]                                   # 章节模式：检查 + 基准
+    python step05_paged/run.py [--quick] [--json]                                   # 章节模式：检查 + 基准（chapter.py）
     python step05_paged/run.py --prompt A --prompt B --num-blocks 8 --max-new-tokens 64 --ignore-eos [--stop "."]
+
+生成模式：全部提示词作为一个负载，在 0 时刻按给定顺序到达，先来先服务。
 """
-import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 from common import cli  # noqa: E402
-from common.bench import machine, table  # noqa: E402
-from common.compare import MARGIN_TOL, compare  # noqa: E402
-from common.errors import UserError  # noqa: E402
-from common.model import Linear  # noqa: E402
-from step02_sampling.sampler import add_sampling_args, draw_margin, params_from_args  # noqa: E402
-from step03_kvcache_single.engine import generate as generate_single  # noqa: E402
-from step04_static_batching.engine import generate_batch, split_batches  # noqa: E402
+from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.decode_bench import KV_IO, PLAN, decode_step_fns, interleaved_medians, profile_split  # noqa: E402
-from step05_paged.engine import DEFAULT_KV_MIB, PagedEngine, blocks_needed, num_blocks_for_budget  # noqa: E402
-from step05_paged.paged_cache import PagedKVCache  # noqa: E402
-from step05_paged.workload import mixed_workload, preemption_workload  # noqa: E402
-
-STEP = "step05_paged"
-MIB = 2**20
+from step05_paged.engine import DEFAULT_KV_MIB, EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
 
 
-def make_parser():
+def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="停止字符串（可重复）：新生成的文本里出现它就停（包含补全它的那个 token），同 step02/03")
-    g = p.add_argument_group("分页与调度")
-    g.add_argument("--block-size", type=cli.positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
-    g.add_argument("--num-blocks", type=cli.positive_int, default=None,
-                   help=f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）")
-    g.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="运行集合最多几个请求（默认 8）")
+    cli.add_stop_arg(p)
+    cli.add_paged_args(p, DEFAULT_KV_MIB)
     return p
 
 
-def percentile(xs, q: float) -> float:
-    """最近秩法：至少 q 比例的样本 ≤ 返回值。None（没有 TPOT 的请求）不算。"""
-    xs = sorted(x for x in xs if x is not None)
-    return xs[max(0, math.ceil(q * len(xs)) - 1)]
-
-
-def pool_is_empty(engine: PagedEngine) -> bool:
-    a = engine.allocator
-    return a.num_free == a.num_blocks and not any(a.ref_counts)
-
-
-def stage(msg: str) -> float:
-    print(msg, flush=True)
-    return time.perf_counter()
-
-
-class ReadLedger:
-    """PagedEngine.generate 的 on_step：每次前向按块表独立算一遍"读 KV 该拷多少"，与缓存自己的计数器对账。"""
-
-    def __init__(self, block_size: int, kv_bytes: int):
-        self.bs, self.kvb = block_size, kv_bytes
-        self.decode_formula = self.decode_real = self.decode_cat = 0   # 字节，全部 decode 步累计
-
-    def __call__(self, batch, running) -> None:
-        if batch.is_prefill:
-            return
-        blocks = [len(seq.block_table) for seq in batch.seqs]
-        self.decode_formula += len(blocks) * max(blocks) * self.bs * self.kvb   # B × max_blocks × block_size × 每 token 字节
-        self.decode_real += sum(blocks) * self.bs * self.kvb                     # 其中真正属于各行的块
-        self.decode_cat += sum(seq.num_tokens for seq in batch.seqs) * self.kvb  # torch.cat 缓存每步整段复制 S_i 个位置
-
-
-def chapter(args, s: cli.Session) -> bool:
-    tol, eos, bs, B = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size, args.max_batch_size
-    kvb = s.cfg.kv_bytes_per_token(s.dtype.itemsize)
-    requests = mixed_workload(s.tok, args.quick)          # 全部贪心：正确性 + 与 step04 比吞吐
-    preempt_reqs = preemption_workload(requests)          # 小池子那次用：奇数号带种子采样，全部 ignore_eos
-    default_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, bs, s.dtype)
-    small_blocks = 2 * max(blocks_needed(r, bs) for r in requests)   # 只够最大的请求放两份：一定会抢占
-    prompts, max_new = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
-    workload = (f"{'--quick 负载' if args.quick else '完整负载'}：{len(requests)} 个请求，提示词 {min(map(len, prompts))}–"
-                f"{max(map(len, prompts))} token，max_new_tokens {min(max_new)}–{max(max_new)}")
-    print(f"{workload}；块大小 {bs}，每块 {PagedKVCache.bytes_per_block(s.cfg, bs, s.dtype) / 2**10:.0f} KiB")
-
-    # 1) 参考：step03 一个一个单独生成。小池子那次的贪心请求若在参考里没有提前遇到 EOS，
-    #    ignore_eos 不改变它的输出，直接复用；其余（带种子的、提前结束的）按 ignore_eos 单独再生成一次
-    t = stage("[1/5] step03 逐个单独生成参考输出 ...")
-    ref = [generate_single(s.model, r.prompt_ids, r.max_new_tokens, r.params, eos) for r in requests]
-    sequential_s = time.perf_counter() - t
-    ref_preempt = [ref[i] if r.params.seed is None and len(ref[i]) == r.max_new_tokens
-                   else generate_single(s.model, r.prompt_ids, r.max_new_tokens, r.params, eos, ignore_eos=True)
-                   for i, r in enumerate(preempt_reqs)]
-
-    checks, notes, runs = {}, [], []
-
-    def run_and_check(name, engine, reqs, refs, on_step=None):
-        outs, st = engine.generate(reqs, eos, on_step=on_step)
-        results = [compare(f"{name}#{i}", r.prompt_ids, rf, got, s.full_logits, tol, draw_margin(r.params))
-                   for i, (r, rf, got) in enumerate(zip(reqs, refs, outs))]
-        notes.extend(c.describe() for c in results if not c.equal)
-        runs.append([name, engine.allocator.num_blocks, engine.max_batch_size, st.num_forwards, st.preemptions,
-                     st.peak_running, f"{sum(c.equal for c in results)}/{len(results)}"])
-        return results, st, pool_is_empty(engine)
-
-    # 2) 正确性：小池子（批大小不设限，逼出抢占；贪心与带种子的采样混跑）
-    stage(f"[2/5] step05：小池子 {small_blocks} 块，批大小不设限 ...")
-    small = PagedEngine(s.model, small_blocks, bs, max_batch_size=len(preempt_reqs))
-    res, st_small, free_small = run_and_check("small_pool", small, preempt_reqs, ref_preempt)
-    seeded_rows = [r.params.seed is not None for r in preempt_reqs]
-    checks["greedy_small_pool_equals_step03"] = all(c.ok for c, sd in zip(res, seeded_rows) if not sd)
-    checks["seeded_small_pool_equals_step03"] = all(c.ok for c, sd in zip(res, seeded_rows) if sd)
-    checks["small_pool_preempted"] = st_small.preemptions > 0
-    hit = [sd for n, sd in zip(st_small.preempted, seeded_rows) if n]   # 被抢占过的请求是不是带种子的
-    notes.append(f"小池子共抢占 {st_small.preemptions} 次，被抢占过的请求：贪心 {hit.count(False)} 个、"
-                 f"带种子采样 {hit.count(True)} 个")
-
-    # 3) 默认池子、全部贪心：既是正确性检查，也是 step05 的计时；ReadLedger 按块表独立算 gather 该拷多少
-    stage(f"[3/5] step05：默认池子 {default_blocks} 块，批上限 {B} ...")
-    ledger = ReadLedger(bs, kvb)
-    res, st_paged, free_default = run_and_check("default_pool", PagedEngine(s.model, default_blocks, bs, B),
-                                                requests, ref, ledger)
-    checks["greedy_default_pool_equals_step03"] = all(c.ok for c in res)
-    checks["all_blocks_free_after_each_run"] = free_small and free_default
-    checks["workload_has_eos_endings"] = any(o[-1] in eos for o in ref)
-    decode_gather = sum(st.gather_bytes for st in st_paged.steps if not st.prefill)
-    checks["prefill_gathers_nothing"] = all(st.gather_bytes == 0 for st in st_paged.steps if st.prefill)
-    checks["decode_gather_bytes_match_formula"] = decode_gather == ledger.decode_formula
-    print(table(["运行", "块数", "批上限", "前向次数", "抢占次数", "峰值并发", "与 step03 完全相同"], runs))
-
-    # 4) 基准：同一负载、同样的批上限，step04 静态批处理（它自己的引擎和记账）vs step05（上面默认池子那次
-    #    运行就是 step05 的第一轮）。完整模式再交替各跑两轮，每个引擎取总时间居中的一轮（TTFT/TPOT 也取自这一轮）
-    repeats = 1 if args.quick else 3
-    stage(f"[4/5] step04 静态批处理，批上限 {B}" + ("" if repeats == 1 else f"；再交替各跑 {repeats - 1} 轮") + " ...")
-    static_runs, paged_runs = [generate_batch(s.model, requests, B, eos).stats], [st_paged]
-    for _ in range(repeats - 1):
-        paged_runs.append(PagedEngine(s.model, default_blocks, bs, B).generate(requests, eos).stats)
-        static_runs.append(generate_batch(s.model, requests, B, eos).stats)
-    st_paged = sorted(paged_runs, key=lambda st: st.wall_s)[len(paged_runs) // 2]
-    st_static = sorted(static_runs, key=lambda st: st.wall_s)[len(static_runs) // 2]
-    tokens = st_static.generated_tokens   # 三个引擎的输出逐 token 相同，生成的 token 数也相同
-
-    def row(name, st, peak):
-        tpot, bare = st.tpot_s(), st.tpot_s(without_stall=True)
-        return [name, f"{st.wall_s:.1f}", f"{st.tokens_per_s:.1f}", f"{percentile(st.first_token_s, .5):.2f}",
-                f"{percentile(st.first_token_s, .9):.2f}", f"{percentile(tpot, .5) * 1e3:.0f}",
-                f"{percentile(tpot, .9) * 1e3:.0f}", f"{percentile(bare, .5) * 1e3:.0f}", f"{st.kv_waste:.1%}", peak]
-
-    print(f"\n机器: {machine()}；模型 {s.path.name}，{s.device}/{s.dtype_name}")
-    print(f"{workload}；批上限 {B}，step05 池子 {default_blocks} 块（{default_blocks * bs} 个槽）；"
-          f"{'每个引擎只跑一次' if repeats == 1 else f'每个引擎跑 {repeats} 轮、取总时间居中的一轮'}")
-    print(table(["引擎", "总时间 (s)", "吞吐 (token/s)", "TTFT p50 (s)", "TTFT p90 (s)", "TPOT p50 (ms)",
-                 "TPOT p90 (ms)", "TPOT p50 去掉干等 (ms)", "KV 浪费", "峰值并发"], [
-        ["step03 逐个单独", f"{sequential_s:.1f}", f"{tokens / sequential_s:.1f}", "-", "-", "-", "-", "-", "-", 1],
-        row("step04 静态批", st_static, B),
-        row("step05 分页+连续批", st_paged, st_paged.peak_running)]))
-    print("KV 浪费 = 1 − Σ 存着真实 token 的槽 ÷ Σ 持有的槽（每次前向之后各采样一次，两个引擎同一段代码算）；"
-          "干等 = 已经在 decode 的请求等别人 prefill 的时间。")
-
-    # decode 前向的耗时与干等：各自引擎记下的每一步
-    def decode_row(name, st):
-        dec = [x for x in st.steps if not x.prefill]
-        pre = [x for x in st.steps if x.prefill]
-        decode_span = sum(f - t for t, f, n in zip(st.first_token_s, st.finish_s, st.num_outputs) if n > 1)
-        return [name, len(dec), f"{statistics.mean(x.rows - x.idle_rows for x in dec):.1f} / "
-                f"{statistics.mean(x.rows for x in dec):.1f}", f"{statistics.median(x.seconds for x in dec) * 1e3:.0f}",
-                len(pre), f"{statistics.median(x.seconds for x in pre) * 1e3:.0f}", f"{sum(st.stall_s):.1f}",
-                f"{sum(st.stall_s) / decode_span:.0%}"]
-
-    print(f"\n每一步（同上面那一轮；decode 步的耗时包括采样）：")
-    print(table(["引擎", "decode 步数", "每步在生成的行 / 算的行", "decode 步 p50 (ms)", "prefill 步数",
-                 "prefill 步 p50 (ms)", "干等合计 (请求·s)", "干等占 decode 时间"],
-                [decode_row("step04 静态批", st_static), decode_row("step05 分页+连续批", st_paged)]))
-
-    # 读 KV 时拷贝的字节：step03 的两种缓存（公式）与 step05 的 gather（缓存里的计数器，ReadLedger 按块表对账）
-    n_dec = st_paged.decode_steps
-    weights = sum(m.weight.nbytes for m in s.model.modules() if isinstance(m, Linear))
-    print(f"\n读 KV 时每个 decode 步拷贝的字节（上面 step05 默认池子那次运行，{n_dec} 个 decode 步的平均；"
-          f"每 token 的 K/V {kvb} 字节，全部 {s.cfg.num_layers} 层的 K 和 V）：")
-    print(table(["缓存", "每个 decode 步拷贝 (MiB)", "公式（每步）"], [
-        ["step03 torch.cat（每个请求各一个）", f"{ledger.decode_cat / n_dec / MIB:.1f}", f"Σ_行 S_i × {kvb}：整段复制到新内存"],
-        ["step03/04 预分配", "0", "读的是切片视图，不拷贝"],
-        ["step05 按块表 gather（计数器）", f"{decode_gather / n_dec / MIB:.1f}", f"B × max_blocks × {bs} × {kvb}"],
-        ["  其中补齐到最长块表的空块", f"{(ledger.decode_formula - ledger.decode_real) / n_dec / MIB:.1f}",
-         f"Σ_行 (max_blocks − 块数_i) × {bs} × {kvb}"],
-        ["对照：每步读一遍线性层权重", f"{weights / MIB:.0f}", ""]]))
-    print(f"全部 decode 步的 gather 共拷贝 {decode_gather / 2**30:.2f} GiB；prefill 步拷贝 0（全新的 prefill 只看自己的 K/V）。")
-
-    # 5) 同样的批大小和上下文，一次 decode 前向：step04（读视图）vs step05（plan + gather）
-    stage("\n[5/5] 一次 decode 前向：step04 vs step05，同样的批大小和上下文 ...")
-    contexts = [len(r.prompt_ids) + r.max_new_tokens // 2 for r in requests[:B]]
-    figures_step = decode_step_comparison(args, s, contexts, bs)
-
-    # 同样的 KV 预算（小池子的槽数）下最多几个请求同时在跑：step04 按同一个预算切批 vs 分页实测
-    budget = small_blocks * bs
-    peak4 = max(map(len, split_batches(requests, len(requests), max_kv_slots=budget)))
-    print(f"\n同样 {budget} 个 KV 槽（{budget * kvb / MIB:.1f} MiB）下的峰值并发（{workload}）：")
-    print(table(["方式", "峰值并发"], [["step04 连续预留（split_batches：每批 B × (最长提示词 + 最大 max_new − 1) ≤ 预算）",
-                                       peak4], ["step05 分页（小池子那次运行实测）", st_small.peak_running]]))
-
-    cli.print_checks(checks, notes)
-    figures = {
-        "kv_waste": round(st_paged.kv_waste, 4),
-        "throughput_ratio_vs_static": round(st_paged.tokens_per_s / st_static.tokens_per_s, 3),
-        "preemptions": st_small.preemptions,
-        "peak_concurrency_ratio_vs_static": round(st_small.peak_running / peak4, 3),
-        "decode_gather_bytes_per_step": round(decode_gather / n_dec),
-        **figures_step,
-        "static_kv_waste": round(st_static.kv_waste, 4),
-        "tok_per_s": round(st_paged.tokens_per_s, 3),
-        "static_tok_per_s": round(st_static.tokens_per_s, 3),
-        "sequential_tok_per_s": round(tokens / sequential_s, 3),
-        "ttft_p50_s": round(percentile(st_paged.first_token_s, .5), 4),
-        "ttft_p90_s": round(percentile(st_paged.first_token_s, .9), 4),
-        "tpot_p50_s": round(percentile(st_paged.tpot_s(), .5), 4),
-        "tpot_p90_s": round(percentile(st_paged.tpot_s(), .9), 4),
-        "tpot_p50_without_stall_s": round(percentile(st_paged.tpot_s(without_stall=True), .5), 4),
-        "stall_s_total": round(sum(st_paged.stall_s), 3),
-        "static_ttft_p50_s": round(percentile(st_static.first_token_s, .5), 4),
-        "static_ttft_p90_s": round(percentile(st_static.first_token_s, .9), 4),
-        "static_tpot_p50_s": round(percentile(st_static.tpot_s(), .5), 4),
-        "static_tpot_p90_s": round(percentile(st_static.tpot_s(), .9), 4),
-        "decode_cat_bytes_per_step": round(ledger.decode_cat / n_dec),
-        "peak_concurrency": st_small.peak_running,
-        "static_peak_concurrency": peak4,
-        "num_blocks": default_blocks,
-        "small_pool_blocks": small_blocks,
-        "block_size": bs,
-        "max_batch_size": B,
-        "num_requests": len(requests),
-    }
-    if args.json:
-        cli.emit_json(cli.chapter_json(STEP, s, checks, figures))
-    return all(checks.values())
-
-
-@torch.inference_mode()
-def decode_step_comparison(args, s: cli.Session, contexts: list[int], bs: int) -> dict:
-    """B 行、各自上下文 contexts 的一次 decode 前向：step04（PreallocKVCache + 左填充掩码，读视图）与
-    step05（plan + 按块表 gather）。交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开（decode_bench.py）。"""
-    repeats, profiled = (5, 2) if args.quick else (15, 4)
-    step04, step05 = decode_step_fns(s, contexts, bs, steps=repeats + profiled + 2)
-    med, cpu = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device, cpu=True)
-    m4, m5 = med["step04"], med["step05"]
-    p4, p5 = profile_split(step04, profiled), profile_split(step05, profiled)
-    max_blocks = max(-(-c // bs) for c in contexts)
-    print(f"B = {len(contexts)}，上下文 {contexts}（负载前 {len(contexts)} 个请求的 提示词 + max_new_tokens/2；"
-          f"step04 左填充到 {max(contexts)}，step05 补齐到 {max_blocks} 块）；交替各跑 {repeats} 次取中位数：")
-    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}"
-          f"（进程 CPU 时间：{cpu['step04'] * 1e3:.1f} 对 {cpu['step05'] * 1e3:.1f} ms，"
-          f"{cpu['step05'] / cpu['step04']:.2f}；机器忙时它比墙钟稳）")
-    print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看差值和比例）：")
-    print(table(["类别", "step04", "step05", "差"],
-                [[k, f"{p4[k] * 1e3:.1f}", f"{p5[k] * 1e3:.1f}", f"{(p5[k] - p4[k]) * 1e3:+.1f}"] for k in p4]))
-    gather = p5[KV_IO] - p4[KV_IO]
-    copied = len(contexts) * max_blocks * bs * s.cfg.kv_bytes_per_token(s.dtype.itemsize)
-    print(f"step05 每步 gather 拷贝 {copied / MIB:.1f} MiB（B × max_blocks × {bs} × 每 token 字节）；"
-          f"KV 读写一类多出的 {gather * 1e3:.1f} ms 主要是 gather 和 V 清零；plan() {p5[PLAN] * 1e3:.1f} ms。")
-    return {"decode_step_ms_ratio_vs_static": round(m5 / m4, 3), "decode_step_ms": round(m5 * 1e3, 2),
-            "static_decode_step_ms": round(m4 * 1e3, 2), "decode_step_gather_ms": round(gather * 1e3, 2),
-            "decode_step_plan_ms": round(p5[PLAN] * 1e3, 2)}
-
-
 def main(args) -> bool:
-    params = params_from_args(args)
-    stop = tuple(args.stop or ())
-    if any(not t for t in stop):
-        raise UserError("--stop must not be empty")
+    params, stop = params_from_args(args), cli.stop_from_args(args)
     s = cli.load_session(args)
     if args.prompt is None:
+        from step05_paged.chapter import chapter
         return chapter(args, s)
     num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
+    engine = LLMEngine(s.model, EngineConfig(num_blocks, args.block_size, args.max_batch_size), s.tok, s.tok.eos_ids)
     # 先编码、检查全部提示词（包括"池子放不放得下"），任何一个有错都在开始生成前报告
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
-    requests = [Request(ids, args.max_new_tokens, params, args.ignore_eos, stop) for ids in prompt_ids]
-    engine = PagedEngine(s.model, num_blocks, args.block_size, args.max_batch_size)
-    engine.check_fits(requests)
-    outputs, st = engine.generate(requests, s.tok.eos_ids, s.tok)
+    outputs, st = engine.generate([Request(ids, args.max_new_tokens, params, args.ignore_eos, stop) for ids in prompt_ids])
     cli.print_generations(s, args.prompt, outputs)
     print(f"\n池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向（prefill {st.prefill_steps}，"
           f"decode {st.decode_steps}），抢占 {st.preemptions} 次，峰值并发 {st.peak_running}，KV 浪费 {st.kv_waste:.1%}")

@@ -1,30 +1,70 @@
-"""一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence）。
+"""一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence），以及引擎每一步交给调用方的 RequestOutput。
 
-step04 的 Sequence 已经记着"做到哪了"：已生成的 token、是否结束（max_new_tokens / EOS / 停止字符串）、
-自己的随机数发生器、首 token 与结束的时刻。这里继承它，只加上分页和调度需要的状态：
-块表、KV 已写进缓存的 token 数、状态、被抢占的次数、干等别人 prefill 的时间、每个输出 token 产出的时刻。
+Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
+状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。
 """
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
-from step04_static_batching.request import Sequence as BatchSequence
+import torch
+
+from step04_static_batching.request import Request
 
 
-class Status(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"     # 在等待队列里：还没有块（新来的，或被抢占后释放了全部块）
     RUNNING = "running"     # 在运行集合里：持有块，每步都参与调度
-    FINISHED = "finished"   # 生成完毕，块已还给分配器
+    FINISHED = "finished"   # 生成完毕或被 abort，块已还回去
 
 
-@dataclass(eq=False)
-class Sequence(BatchSequence):
-    block_table: list[int] = field(default_factory=list)  # 第 i 个逻辑块 → 物理块号
-    num_cached_tokens: int = 0       # 前多少个 token 的 K/V 已经写进池里（其余的下一次前向要算）
-    status: Status = Status.WAITING
+@dataclass
+class RequestOutput:
+    """step() 的返回值里每个请求一项：这一步新产出的 token、是否结束、为什么结束。"""
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str] = None   # "stop"（EOS 或停止字符串）/ "length"（max_new_tokens）/ "abort"
+
+
+@dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两个（`in`、list.remove 按身份比较）
+class Sequence:
+    request_id: int
+    request: Request
+    generator: torch.Generator    # 每个请求一个，用它自己的 seed：与 step03 单独生成时消耗同一串随机数
+    arrival_time: float           # add_request 时的时钟读数（秒）
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    block_table: list[int] = field(default_factory=list)   # 第 i 个逻辑块 → 物理块号
+    num_computed_tokens: int = 0  # 前多少个 token 的 K/V 已经写进池子（vLLM V1 的名字）；其余的下一次前向要算
     num_preemptions: int = 0
-    stall_time: float = 0.0          # 已经在 decode、却因为这一步在给别人做 prefill 而干等的时间（秒）
-    token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻（秒）：相邻两个之差就是它等了多久
+    # 计时（秒，引擎时钟的读数）
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻
+    stall_time: float = 0.0       # 已经有输出、却因为这一步在给别人做 prefill 而干等的时间
 
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """提示词 + 已生成：要算 K/V 的全部 token，也是采样器的 history（重复惩罚要用）。"""
+        return self.request.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, eos_ids, tokenizer=None) -> Optional[str]:
+        """记下一个新 token；按与 step03 相同的条件判断是否该停，返回结束原因（还没结束为 None）：
+        EOS（算进输出）或新生成的文本里出现停止字符串 → "stop"（每步把全部新 token 重新解码再找，不会漏掉跨 token
+        的停止串）；生成满 max_new_tokens → "length"。两者同时成立时算 "stop"（与 vLLM 相同）。"""
+        self.output_ids.append(token)
+        r = self.request
+        if (token in eos_ids and not r.ignore_eos) or (r.stop and any(s in tokenizer.decode(self.output_ids)
+                                                                     for s in r.stop)):
+            return "stop"
+        return "length" if len(self.output_ids) == r.max_new_tokens else None

@@ -1,64 +1,172 @@
-"""step06 引擎：step05 的分页引擎 + 前缀缓存。
+"""step06 引擎：step05（分页 KV cache + 连续批处理 + 重算式抢占）+ 前缀缓存，一步一步地驱动（与 vLLM 的
+LLMEngine 同样的接口）。
 
-主循环就是 step05 的 PagedEngine.generate，一行没改；换掉的是它用到的几样东西：
-- 块池：PrefixCachingBlockAllocator（写满的块带 key，没人用了也先留着，池子要空间时才按 LRU 驱逐）；
-- 调度器：PrefixCachingScheduler（接纳时命中的前缀直接共享，请求从命中位置开始 prefill；每步开始时
-  把上一步写满的块登记进缓存）；请求状态：step06 的 Sequence（登记到第几块、cached_tokens）；
-- 记账：KV 按物理块算（共享的块只算一次）；每个请求的 cached_tokens、命中率、驱逐次数。
+    add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
+    step() -> list[RequestOutput]          一次前向：调度 → 排出这次前向的地址（plan）→ 模型 → 采样、结束的还块
+    abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
+    has_unfinished_requests()
+    generate(requests)                     只是上面几个的循环
 
-块池跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的下一轮能命中上一轮。
-prefix_caching=False 时用回 step05 的分配器和调度器（--no-prefix-cache）：输出与前向次数都与 step05 相同。
+与 step03 逐 token 一致的关键：
+- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
+- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
+  所以它消耗的随机数序列与 step03 单独生成时完全相同。
+
+记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
+
+step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
+把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
+下一轮能命中上一轮。--no-prefix-cache 用的是 step05 的引擎（run.py）。
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from step05_paged.engine import DEFAULT_MAX_PREFILL_TOKENS, PagedEngine, PagedStats
-from step05_paged.scheduler import Scheduler
+import torch
 
-from .block_pool import HashFn, PrefixCachingBlockAllocator, chain_hash
-from .scheduler import PrefixCachingScheduler
-from .sequence import Sequence
+from common.clock import Clock, WallClock
+from common.errors import UserError
+from common.stats import EngineStats, StepStats, collect_stats
+from step02_sampling.sampler import make_generator, sample
+from step04_static_batching.request import Request
+
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import RequestOutput, Sequence
+
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
 
 
 @dataclass
-class PrefixStats(PagedStats):
-    # >>> step06 新增（prefill_tokens 是 step04 就有的统计：prefill 真正算的 token，命中的前缀不在里面）
-    prompt_tokens: int = 0                                   # 全部提示词的 token 数
-    evictions: int = 0                                       # 这次运行里从缓存驱逐了几块
-    cached_tokens: list[int] = field(default_factory=list)   # 每个请求：提示词里有几个 token 用了缓存（按请求顺序）
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_size: int = 8          # 运行集合最多几个请求
+    max_prefill_tokens: int = 2048   # 一次 prefill 前向最多 B × L 个 token 位置（限制 CPU 上的峰值内存和单步延迟）
 
-    @property
-    def hit_rate(self) -> float:
-        """命中率 = 用了缓存的提示词 token ÷ 全部提示词 token。"""
-        return sum(self.cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
-    # <<<
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch_size", "max_prefill_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
 
 
-class PrefixCachingEngine(PagedEngine):
-    sequence_cls = Sequence
-    stats_cls = PrefixStats
+def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: int = DEFAULT_KV_MIB) -> int:
+    return mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype)
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True,
-                 hash_fn: HashFn = chain_hash):
-        super().__init__(model, num_blocks, block_size, max_batch_size, max_prefill_tokens)
-        self.prefix_caching = prefix_caching
-        if prefix_caching:   # >>> step06 新增：换成带前缀缓存的块池与调度器
-            self.allocator = PrefixCachingBlockAllocator(num_blocks, block_size, hash_fn)
-            self.scheduler_cls = PrefixCachingScheduler
 
-    # >>> step06 修改：按物理块记账——几个请求共享的块只算一次，它存着的 token 也只算一次
-    def kv_slots(self, running: list[Sequence]) -> tuple[int, int]:
-        filled: dict[int, int] = {}   # 物理块 → 里面存着几个 token 的 K/V
-        for seq in running:
-            for i, b in enumerate(seq.block_table):
-                filled[b] = max(filled.get(b, 0), min(self.block_size, max(0, seq.num_cached_tokens - i * self.block_size)))
-        return len(filled) * self.block_size, sum(filled.values())
-    # <<<
+def blocks_needed(r: Request, block_size: int) -> int:
+    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""
+    return -(-(len(r.prompt_ids) + r.max_new_tokens - 1) // block_size)
 
-    def collect(self, stats: PrefixStats, sched: Scheduler, seqs: list[Sequence]) -> None:
-        super().collect(stats, sched, seqs)
-        # >>> step06 新增
-        stats.prompt_tokens = sum(len(s.request.prompt_ids) for s in seqs)
-        stats.cached_tokens = [s.cached_tokens or 0 for s in seqs]    # --no-prefix-cache 时从没设过：0
-        stats.evictions = sched.num_evictions if self.prefix_caching else 0
-        # <<<
+
+class GenerateOutput(NamedTuple):
+    outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
+    stats: EngineStats
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None, eos_ids=(), clock: Clock | None = None):
+        config.validate()
+        self.model, self.config = model, config
+        self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
+        self.clock = clock or WallClock()
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_tokens)
+        try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
+                            f"tokens: {e}") from None
+        self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
+        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
+        self._next_id = 0
+
+    def add_request(self, request: Request) -> int:
+        """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
+        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
+        if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
+            raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
+                            f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
+                            f"has only {have}: raise --num-blocks or lower --max-new-tokens")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return           # 不认识或已经结束：什么也不做
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        t0 = self.clock.now()
+        batch = self.scheduler.schedule()
+        fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
+        logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (B, V)
+        outputs += self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, outputs)
+        return outputs
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """每个请求的 K/V 往前推它这一步算的 token 数；算到了最后一个 token 的请求采一个 token（step05 里是全部）。
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求立刻还块。"""
+        outputs, row, now = [], 0, self.clock.now()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
+            token = sample(logits[row], seq.token_ids, seq.request.params, seq.generator)
+            row += 1
+            reason = seq.append_token(token, self.eos_ids, self.tokenizer)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
+                seq.first_token_time = now
+            if reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)   # 立刻还块：下一步就能接纳新请求
+                del self.seqs[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens))
+        return outputs
+
+    def _record(self, batch: SchedulerOutput, fwd, seconds: float, outputs: list[RequestOutput]) -> None:
+        """这一步的一行账。干等 = 运行集合里已经有输出、这一步却没有产出 token 的请求（在等别人的 prefill）。"""
+        produced = {o.request_id for o in outputs}
+        stalled = [seq for seq in self.scheduler.running if seq.output_ids and seq.request_id not in produced]
+        for seq in stalled:
+            seq.stall_time += seconds
+        held, used = self.block_manager.usage(self.scheduler.running)
+        B, L = fwd.input_ids.shape
+        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
+                                         fwd.gather_bytes, len(stalled),
+                                         0 if batch.is_prefill else len(batch.seqs), len(self.scheduler.running)))
+
+    def generate(self, requests: list[Request]) -> GenerateOutput:
+        """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
+        中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
+        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        try:
+            for r in requests:
+                seqs.append(self.seqs[self.add_request(r)])
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            for seq in seqs:
+                self.abort(seq.request_id)           # 已经结束的请求 abort 什么也不做
+        return GenerateOutput([s.output_ids for s in seqs],
+                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

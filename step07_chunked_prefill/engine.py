@@ -1,111 +1,182 @@
-"""step07 引擎：step06（分页 + 连续批处理 + 前缀缓存）+ token 预算 + 展平的混合前向。
+"""step07 引擎：step06（分页 KV cache + 连续批处理 + 重算式抢占 + 前缀缓存）+ 分块 prefill，一步一步地驱动
+（与 vLLM 的 LLMEngine 同样的接口）。
 
-每一步：TokenBudgetScheduler 给出这一步的 decode 与 prefill 块（合起来不超过 max_num_batched_tokens 个 token）→
-plan_flat 把它们排成没有填充的一行（FlatForward）→ 前向一次，只算要采样的那几个位置的 logits → 每个请求的
-num_cached_tokens 往前推它这次算的 token 数；算到最后一个 token 的请求采样（step05 的 emit：时刻、结束、还块）。
+    add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
+    step() -> list[RequestOutput]          一次前向：调度 → 排出这次前向的地址（plan）→ 模型 → 采样、结束的还块
+    abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
+    has_unfinished_requests()
+    generate(requests)                     只是上面几个的循环
 
-chunked_prefill=False（--no-chunked-prefill）时直接用 step06 的 generate：同样的调度、同样的前向、同样的输出。
-prefix_caching=False（--no-prefix-cache）时块池从不登记任何块，于是永远查不到、永远不命中。
+与 step03 逐 token 一致的关键：
+- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
+- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
+  所以它消耗的随机数序列与 step03 单独生成时完全相同。
+
+记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
+
+step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
+把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
+下一轮能命中上一轮。
+
+step07 的分块 prefill：调度器给每一步一个 token 预算，decode 与 prefill 的块混在同一次前向里（scheduler.py）；
+plan 把它们排成没有填充的一行（kv_cache.py 的 FlatAttentionMetadata），只算要采样的位置的 logits。引擎的
+step() 一行没变：每个请求的 K/V 往前推它这一步算的 token 数，算到最后一个 token 的才采样——prefill 的前几块
+不采样。--no-chunked-prefill 用的是 step06 的引擎（run.py）；--no-prefix-cache 是这里的 enable_prefix_caching=False。
 """
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from common.clock import Clock, WallClock
 from common.errors import UserError
-from step02_sampling.sampler import make_generator
+from common.stats import EngineStats, StepStats, collect_stats
+from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
-from step04_static_batching.stats import StepStats
-from step05_paged.engine import DEFAULT_MAX_PREFILL_TOKENS, ArrivalClock, PagedOutput
-from step05_paged.sequence import Status
-from step06_prefix_cache.block_pool import HashFn, PrefixCachingBlockAllocator, chain_hash
-from step06_prefix_cache.engine import PrefixCachingEngine, PrefixStats
 
-from .flat_forward import plan_flat
-from .scheduler import ChunkedBatch, TokenBudgetScheduler
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import RequestOutput, Sequence
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（vLLM 的 max_num_batched_tokens；取值见 docs/07 的预算扫描）
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
 
 
 @dataclass
-class MixedStepStats(StepStats):
-    decode_tokens: int = 0     # 这一行里有几个是 decode 的 token（其余是 prefill 的块）
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_size: int = 8          # 运行集合最多几个请求
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
+            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                            f"--max-batch-size ({self.max_batch_size})")
 
 
-@dataclass
-class ChunkedStats(PrefixStats):
-    steps: list[MixedStepStats] = field(default_factory=list)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """prefill 真正算的 token：混合前向里去掉 decode 的那几个。"""
-        return sum(st.tokens - st.decode_tokens for st in self.steps if st.prefill)
+def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: int = DEFAULT_KV_MIB) -> int:
+    return mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype)
 
 
-class UncachedBlockAllocator(PrefixCachingBlockAllocator):
-    """--no-prefix-cache 时 step07 用的块池：从不登记写满的块，所以什么也查不到——就是 step05 的分配器，
-    只是接口与带缓存的块池相同，调度器不用分两种写。"""
-
-    def cache_block(self, block: int, parent: Optional[int], token_ids: tuple[int, ...]) -> bool:
-        return False
+def blocks_needed(r: Request, block_size: int) -> int:
+    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""
+    return -(-(len(r.prompt_ids) + r.max_new_tokens - 1) // block_size)
 
 
-class ChunkedPrefillEngine(PrefixCachingEngine):
-    budget_scheduler_cls = TokenBudgetScheduler   # step08 换成能换出的调度器（同样的构造参数）
+class GenerateOutput(NamedTuple):
+    outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
+    stats: EngineStats
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
-                 prefix_caching: bool = True, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                 hash_fn: HashFn = chain_hash):
-        super().__init__(model, num_blocks, block_size, max_batch_size, max_prefill_tokens, prefix_caching, hash_fn)
-        self.chunked_prefill = chunked_prefill
-        self.max_num_batched_tokens = max_num_batched_tokens
-        # >>> step07 新增
-        if chunked_prefill:
-            if max_num_batched_tokens < max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
-                raise UserError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
-                                f"--max-batch-size ({max_batch_size})")
-            if not prefix_caching:
-                self.allocator = UncachedBlockAllocator(num_blocks, block_size)
-        # <<<
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None, eos_ids=(), clock: Clock | None = None):
+        config.validate()
+        self.model, self.config = model, config
+        self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
+        self.clock = clock or WallClock()
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens)
+        try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
+                            f"tokens: {e}") from None
+        self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
+        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
+        self._next_id = 0
+
+    def add_request(self, request: Request) -> int:
+        """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
+        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
+        if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
+            raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
+                            f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
+                            f"has only {have}: raise --num-blocks or lower --max-new-tokens")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return           # 不认识或已经结束：什么也不做
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request], eos_ids=(), tokenizer=None,
-                 on_step: Optional[Callable[[ChunkedBatch, list], None]] = None) -> PagedOutput:
-        if not self.chunked_prefill:
-            return super().generate(requests, eos_ids, tokenizer, on_step)     # --no-chunked-prefill：step06 原样
-        self.check_fits(requests)
-        if tokenizer is None and any(r.stop for r in requests):
-            raise ValueError("stop strings need a tokenizer to decode the generated text")
-        sched = self.budget_scheduler_cls(self.allocator, self.block_size, self.max_batch_size, self.max_num_batched_tokens)
-        seqs = [self.sequence_cls(r, make_generator(r.params.seed, self.model.device)) for r in requests]
-        stats = ChunkedStats()      # --no-chunked-prefill 走 step06 的 generate，记的还是 step06 的 PrefixStats
-        clock = ArrivalClock(seqs)
-        while clock.release(sched):
-            t = time.perf_counter()
-            batch = sched.schedule()
-            # 这一步算到最后一个 token 的请求才采样（decode 都是；prefill 只有最后一块）
-            sampling = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_cached_tokens + n == seq.num_tokens]
-            fwd = plan_flat(self.cache, batch.seqs, batch.num_new_tokens)             # (1, T) 的一行
-            logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)[0]   # (R, V)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                seq.num_cached_tokens += n
-            # 已经开始输出、这一步却没有前进的请求（decode 总在批里，所以只有被抢占后还没重算完的）
-            stalled = [seq for seq in sched.running if seq.output_ids and seq not in sampling]
-            held, used = self.kv_slots(sched.running)
-            stats.peak_running = max(stats.peak_running, len(sched.running))
-            if on_step is not None:
-                on_step(batch, list(sched.running))
-            self.emit(sched, sampling, logits, eos_ids, tokenizer, clock)
-            seconds = time.perf_counter() - t
-            for seq in stalled:
-                seq.stall_time += seconds
-            rows, width = fwd.input_ids.shape
-            stats.steps.append(MixedStepStats(batch.is_prefill, rows, width, fwd.num_tokens, 0, held, used, seconds,
-                                              fwd.gather_bytes, len(stalled), batch.num_decode_tokens))
-        stats.wall_s, stats.idle_s = time.perf_counter() - clock.t0, clock.idle_s
-        if any(s.status is not Status.FINISHED for s in seqs):
-            raise RuntimeError("scheduler stopped with unfinished requests")
-        self.collect(stats, sched, seqs)
-        return PagedOutput([s.output_ids for s in seqs], stats)
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        t0 = self.clock.now()
+        batch = self.scheduler.schedule()
+        fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
+        logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
+        outputs += self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, outputs)
+        return outputs
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """每个请求的 K/V 往前推它这一步算的 token 数；算到了最后一个 token 的请求采一个 token（prefill 的前几块不采样）。
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求立刻还块。"""
+        outputs, row, now = [], 0, self.clock.now()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
+            token = sample(logits[row], seq.token_ids, seq.request.params, seq.generator)
+            row += 1
+            seq.in_prefill = False
+            reason = seq.append_token(token, self.eos_ids, self.tokenizer)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
+                seq.first_token_time = now
+            if reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)   # 立刻还块：下一步就能接纳新请求
+                del self.seqs[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens))
+        return outputs
+
+    def _record(self, batch: SchedulerOutput, fwd, seconds: float, outputs: list[RequestOutput]) -> None:
+        """这一步的一行账。干等 = 运行集合里已经有输出、这一步却没有产出 token 的请求（在等别人的 prefill）。"""
+        produced = {o.request_id for o in outputs}
+        stalled = [seq for seq in self.scheduler.running if seq.output_ids and seq.request_id not in produced]
+        for seq in stalled:
+            seq.stall_time += seconds
+        held, used = self.block_manager.usage(self.scheduler.running)
+        B, L = fwd.input_ids.shape
+        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
+                                         fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+
+    def generate(self, requests: list[Request]) -> GenerateOutput:
+        """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
+        中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
+        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        try:
+            for r in requests:
+                seqs.append(self.seqs[self.add_request(r)])
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            for seq in seqs:
+                self.abort(seq.request_id)           # 已经结束的请求 abort 什么也不做
+        return GenerateOutput([s.output_ids for s in seqs],
+                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

@@ -1,74 +1,120 @@
-"""step07 的调度器：每一步一个 token 预算（max_num_batched_tokens），decode 与 prefill 的块混在同一次前向里。
+"""调度器：等待队列 + 运行集合，每一步决定"这次前向算谁、各算几个 token"。
 
-step05/06 的一步要么全是 prefill、要么全是 decode：一个长提示词到了，这一步就只给它做 prefill，所有正在 decode 的
-请求都干等一整次长 prefill。这里（与 vLLM V1 的调度器相同的思路）每一步：
+- step07：每一步一个 token 预算（max_num_batched_tokens，vLLM 的同名参数），decode 与 prefill 的块混在同一次
+  前向里（step05/06 的一步要么全是 prefill、要么全是 decode：一个长提示词到了，所有正在 decode 的请求都干等
+  一整次长 prefill）。先 decode：运行中每个已经在 decode 的请求各占 1 个预算；剩下的按进入运行集合的顺序给还没
+  prefill 完的请求（每个拿 min(剩下的, 预算)）；还有剩、这一步又没有抢占，才按先来先服务接纳新请求。
+  一个提示词可能要分好几步才 prefill 完，最后一块算完的那一步才采样出首 token。
+- decode 时某个请求的最后一块写满了，就再给它一块（一次只长一块）。池子空了：抢占"最新"的运行请求——
+  释放它的全部块，放回等待队列的最前面，之后重新 prefill（重算，recompute）。最老的请求从不被别人抢占，
+  而每个请求单独都放得进池子（add_request 时检查过），所以总能往前走。
+- 请求一结束就把块还回去，下一步就能有新请求进来：这就是连续批处理（continuous batching）。
 
-1. 登记上一步写满的块（step06），decode 要写的下一个位置没有块就要一块，池子空了抢占最新的请求（step05）；
-2. 先 decode：运行中每个只差 1 个 token 的请求各占 1 个预算；
-3. 剩下的预算按进入运行集合的顺序给还没 prefill 完的请求（上一步分到的块没做完的）：每个拿 min(剩下的, 预算)；
-4. 预算还有剩、这一步没有抢占：从等待队列按先来先服务接纳新请求（step06 的 _admit：先查前缀缓存），
-   接纳条件从"左填充后的 B × L 不超限"换成"前面接纳的还没把预算用完"。
+schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；decode：1）。
+引擎只看这个数，不用区分 prefill 和 decode（nano-vllm 的 postprocess 也是这个形状）。
 
-一个提示词可能要分好几步才 prefill 完：它的 num_cached_tokens 每步往前推一块，最后一块算完的那一步才采样出首 token。
-块在接纳时按整段提示词一次分好（与 step05/06 相同），所以 prefill 到一半的请求不会因为缺块而卡住；写满的块每步
-登记进前缀缓存，被抢占后重新接纳时能直接命中自己算过的部分。
+step06：接纳时先查前缀缓存（block_manager.match_prefix），命中的块直接共享，请求从命中位置开始 prefill。
+同一批里已经有人要算它要算的第一块（key 相同）时，它等下一步：那时那一块已经写好、登记了，它直接命中，
+而不是在同一次前向里把同样的 K/V 再算一遍（SGLang 叫 in-batch prefix caching）。
 """
+from collections import deque
 from dataclasses import dataclass
 
-from step05_paged.scheduler import ScheduledBatch
-from step06_prefix_cache.block_pool import PrefixCachingBlockAllocator
-from step06_prefix_cache.scheduler import PrefixCachingScheduler
-from step06_prefix_cache.sequence import Sequence
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ChunkedBatch(ScheduledBatch):
-    """seqs 先是只差 1 个 token 的（decode），再是 prefill 的块；is_prefill = 这一步有没有算提示词（或被抢占后重算）的 token。"""
-    num_new_tokens: list[int]    # 与 seqs 一一对应：这一步算几个 token（decode 为 1）
-    num_decode_tokens: int       # 其中 decode 的 token 数（已经有输出、这一步只算它上一步采样出的那个 token）
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+class SchedulerOutput:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
+    is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
+    num_decode_tokens: int        # 其中 decode 的 token 数（seqs 开头的这么多个请求各 1 个）
 
 
-class TokenBudgetScheduler(PrefixCachingScheduler):
-    def __init__(self, allocator: PrefixCachingBlockAllocator, block_size: int, max_batch_size: int,
-                 max_num_batched_tokens: int):
-        super().__init__(allocator, block_size, max_batch_size, max_prefill_tokens=max_num_batched_tokens)
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.budget_left = 0         # 接纳新请求时这一步还剩多少预算（_prefill_fits 用）
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size                  # 运行集合最多几个请求（= decode 的批大小上限）
+        self.max_num_batched_tokens = max_num_batched_tokens  # 一次前向最多算多少个 token
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # 按进入运行集合的先后排列：running[-1] 就是"最新"的请求
 
-    def schedule(self) -> ChunkedBatch:
-        for seq in self.running:     # step06：上一次前向写满的块登记进缓存
-            self.cache_computed_blocks(seq)
-        preemptions = self.num_preemptions
-        self._grow_for_decode()      # step05：decode 要写的位置没有块就要一块；池子空了抢占最新的请求
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
 
-        # 1) decode：只差 1 个 token 的请求（它上一步刚采样出的 token 还没进缓存）
-        seqs = [seq for seq in self.running if seq.num_tokens - seq.num_cached_tokens == 1]
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        num_waiting = len(self.waiting)
+        self._grow_for_decode()
+        seqs = [seq for seq in self.running if not seq.in_prefill]      # 1) decode：各 1 个 token
         num_new = [1] * len(seqs)
         budget = self.max_num_batched_tokens - len(seqs)
-        # 2) 还没 prefill 完的运行中请求，按进入运行集合的先后
-        for seq in self.running:
-            remaining = seq.num_tokens - seq.num_cached_tokens
-            if remaining > 1 and budget > 0:
+        for seq in self.running:                                        # 2) 还没 prefill 完的，按进入的先后
+            if seq.in_prefill and budget > 0:
                 seqs.append(seq)
-                num_new.append(min(remaining, budget))
+                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
                 budget -= num_new[-1]
         # 3) 接纳新请求。这一步抢占过就不接：刚腾出来的块正是被抢占的请求要的，接了新请求它下一步又会被抢占
-        if budget > 0 and self.num_preemptions == preemptions:
-            self.budget_left = budget
-            for seq in self._admit():
+        if budget > 0 and len(self.waiting) == num_waiting:
+            for seq in self._admit(budget):
                 seqs.append(seq)
-                num_new.append(min(seq.num_tokens - seq.num_cached_tokens, budget))
+                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
                 budget -= num_new[-1]
-        num_decode = sum(n == 1 and seq.num_tokens - seq.num_cached_tokens == 1 and bool(seq.output_ids)
-                         for seq, n in zip(seqs, num_new))
-        return ChunkedBatch(seqs, sum(num_new) > num_decode, num_new, num_decode)
+        num_decode = sum(not seq.in_prefill for seq in seqs)
+        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
 
-    # >>> step07 修改：接纳新请求的条件按 token 预算（step05/06 是左填充后的 B × L）
-    def _prefill_fits(self, batch: list[Sequence], num_new_tokens: int) -> bool:
-        """前面接纳的请求（各自要算的 token 之和）还没用完这一步剩下的预算，就再接一个：它分到剩下的部分。"""
-        return sum(seq.num_tokens - seq.num_cached_tokens for seq in batch) < self.budget_left
-    # <<<
+    def _admit(self, budget: int) -> list[Sequence]:
+        """按先来先服务从等待队列头部接纳请求，直到批满、这一步的预算被前面接纳的用完或块不够。"""
+        batch = []
+        computing = set()                 # 这一批里各请求要算的第一个（以后能被命中的）满块的 key
+        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+            seq = self.waiting[0]
+            match = self.block_manager.match_prefix(seq)
+            if match.next_key is not None and match.next_key in computing:
+                break  # 前面有人正要算同一块：等下一步直接命中
+            if not self.block_manager.can_allocate_seq(seq, match):
+                break  # 不跳过队头去接后面的小请求：保持先来先服务，也不会饿死长请求
+            self.block_manager.allocate_seq(seq, match)   # 块按整段 token 一次分好：prefill 到一半不会缺块
+            budget -= seq.num_tokens - seq.num_computed_tokens
+            if match.next_key is not None:
+                computing.add(match.next_key)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
+
+    def _grow_for_decode(self) -> None:
+        """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。"""
+        bm, i = self.block_manager, 0
+        while i < len(self.running):  # 从最老的开始，保证老请求先拿到块
+            seq = self.running[i]
+            while bm.needs_slot(seq) and not bm.can_allocate(1):
+                victim = self.running[-1]     # 池子空了：抢占最新的请求
+                self._preempt(victim)
+                if victim is seq:             # 轮到的正是最新的那个：它自己让出来，这一步不跑它
+                    return
+            if bm.needs_slot(seq):
+                bm.append_slot(seq)
+            i += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """重算式抢占：扔掉它的 KV（释放全部块），保留已生成的 token；重新被接纳时 prefill 提示词 + 已生成部分。"""
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.in_prefill = True         # 重新接纳后从头（或从命中的前缀）再 prefill
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)  # 放回队头：它比所有还在等的请求都早到
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """请求结束（生成完，或被 abort）：立刻把块还回去，离开运行集合 / 等待队列。"""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_seq(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

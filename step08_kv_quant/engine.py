@@ -1,100 +1,201 @@
-"""step08 引擎：step07（分页 + 前缀缓存 + token 预算的混合前向）+ 量化的 KV 池子 + 换出式抢占。
+"""step08 引擎：step07（分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill）+ 量化的 KV 池子 + 换出式抢占，
+一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
 
-主循环是 step07 的 generate，一行没改；换掉的是它用到的两样东西：
-- 池子（cache_cls）：kv_dtype 是 int8 / fp8（或另一种浮点）时换成 QuantPagedKVCache——写时量化、读时反量化，
-  都在 step05 的写 / 读路径上；kv_dtype 等于模型的 dtype（默认）时用回 step05 的池子：精确模式，与 step07 逐位相同。
-- 调度器（budget_scheduler_cls）：SwapScheduler。preempt="recompute" 时它不带第二层，行为与 step07 完全相同；
-  preempt="swap" 时抢占把块换出到 SwapSpace（CPU 内存；池子在 CUDA 上时用锁页内存），重新接纳时换回来。
+    add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
+    step() -> list[RequestOutput]          一次前向：调度 → 排出这次前向的地址（plan）→ 模型 → 采样、结束的还块
+    abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
+    has_unfinished_requests()
+    generate(requests)                     只是上面几个的循环
 
-池子的块数由调用方给（run.py 按同样的 MiB 预算换算：每 token 字节越少，块越多）。
+与 step03 逐 token 一致的关键：
+- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
+- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
+  所以它消耗的随机数序列与 step03 单独生成时完全相同。
+
+记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
+
+step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
+把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
+下一轮能命中上一轮。
+
+step07 的分块 prefill：调度器给每一步一个 token 预算，decode 与 prefill 的块混在同一次前向里（scheduler.py）；
+plan 把它们排成没有填充的一行（kv_cache.py 的 FlatAttentionMetadata），只算要采样的位置的 logits。引擎的
+step() 一行没变：每个请求的 K/V 往前推它这一步算的 token 数，算到最后一个 token 的才采样——prefill 的前几块
+不采样。--no-chunked-prefill 用的是 step06 的引擎（run.py）；--no-prefix-cache 是这里的 enable_prefix_caching=False。
+
+step08：kv_dtype 是 int8 / fp8（或另一种浮点）时池子存量化的码和 scale，写时量化、读时反量化（kv_cache.py，
+数学在 quant.py）；默认（None = 模型的 dtype）是精确模式，与 step07 逐位相同。preempt="swap" 时抢占把块换出到
+第二层（swap.py：CPU 内存；池子在 CUDA 上时用锁页内存），重新接纳时换回来（scheduler.py）。
 """
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
+import torch
+
+from common.clock import Clock, WallClock
 from common.errors import UserError
-from step07_chunked_prefill.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, ChunkedPrefillEngine
+from common.stats import EngineStats, StepStats, collect_stats
+from step02_sampling.sampler import make_generator, sample
+from step04_static_batching.request import Request
 
-from .paged_quant import KVFormat, QuantPagedKVCache, kv_format
-from .scheduler import SwapScheduler
-from .sequence import Sequence
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
+from .quant import kv_format
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import RequestOutput, Sequence
 from .swap import SwapSpace
 
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
 PREEMPT_CHOICES = ("recompute", "swap")
 
 
-def pool_bytes_per_token(cfg, block_size: int, dtype, fmt: Optional[KVFormat]) -> float:
-    """池子里每个 token 占的字节（含 scale）；fmt None = 模型 dtype 原样存（step05 的 cfg.kv_bytes_per_token）。"""
-    return cfg.kv_bytes_per_token(dtype.itemsize) if fmt is None else fmt.bytes_per_token(cfg, block_size)
-
-
-def num_blocks_for_mib(cfg, block_size: int, dtype, fmt: Optional[KVFormat], mib: float) -> int:
-    """同样的 MiB 预算能放几块：预算 ÷ (block_size × 每 token 字节)。"""
-    return int(mib * 2**20 // (block_size * pool_bytes_per_token(cfg, block_size, dtype, fmt)))
-
-
 @dataclass
-class SwapCounters:
-    """一次 generate 里换出 / 换入的次数、字节与秒数（从 SwapSpace 的累计计数相减得到）。"""
-    swap_outs: int = 0
-    swap_ins: int = 0
-    bytes_out: int = 0
-    bytes_in: int = 0
-    seconds_out: float = 0.0
-    seconds_in: float = 0.0
-    recompute_preemptions: int = 0                         # 第二层装不下（或没什么可换）时退回重算的抢占
-    tokens: list[int] = field(default_factory=list)       # 每次换出时那个请求已算好的 token 数
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_size: int = 8          # 运行集合最多几个请求
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
+    enable_prefix_caching: bool = True
+    kv_dtype: Optional[str] = None   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
+    preempt: str = "recompute"       # "swap"：抢占时换出到第二层
+    swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
+
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
+            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                            f"--max-batch-size ({self.max_batch_size})")
+        if self.preempt not in PREEMPT_CHOICES:
+            raise UserError(f"unknown --preempt {self.preempt!r} (choose from {', '.join(PREEMPT_CHOICES)})")
+        if self.swap_blocks is not None and not (isinstance(self.swap_blocks, int) and self.swap_blocks > 0):
+            raise UserError(f"swap_blocks must be a positive integer, got {self.swap_blocks!r}")
 
 
-class KVQuantEngine(ChunkedPrefillEngine):
-    sequence_cls = Sequence
+def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: float = DEFAULT_KV_MIB,
+                          kv_dtype: Optional[str] = None) -> int:
+    """同样的 MiB 预算能放几块：每 token 字节越少（量化），块越多。"""
+    return int(mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype, kv_format(kv_dtype, dtype)))
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_size: int = 8,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
-                 prefix_caching: bool = True, kv_dtype: Optional[str] = None, preempt: str = "recompute",
-                 swap_blocks: Optional[int] = None, **kw):
-        # >>> step08 新增：池子与调度器换成本步的版本（在父类的 __init__ 创建它们之前）
-        if preempt not in PREEMPT_CHOICES:
-            raise UserError(f"unknown --preempt {preempt!r} (choose from {', '.join(PREEMPT_CHOICES)})")
-        if preempt == "swap" and not chunked_prefill:
-            raise UserError("--preempt swap works with chunked prefill only (drop --no-chunked-prefill)")
-        self.fmt = kv_format(kv_dtype, model.dtype)
-        if self.fmt is not None:
-            self.cache_cls = partial(QuantPagedKVCache, fmt=self.fmt)
-        # <<<
-        super().__init__(model, num_blocks, block_size, max_batch_size, max_num_batched_tokens, chunked_prefill,
-                         prefix_caching, **kw)
-        # >>> step08 新增：第二层（默认与池子一样多的块）与能换出的调度器
-        self.preempt = preempt
-        self.swap = None
-        if preempt == "swap":
-            tensors = self.cache.tensors() if self.fmt is not None else [self.cache.pool]
-            self.swap = SwapSpace(tensors, swap_blocks or num_blocks, block_dim=2)
-        self.budget_scheduler_cls = partial(SwapScheduler, swap=self.swap)
-        self.last_swap = SwapCounters()   # 最近一次 generate 的换出账
-        self.last_scheduler = None
-        # <<<
 
-    @property
-    def pool_nbytes(self) -> int:
-        """池子实际占的字节（码 + scale；含从不分配的空块）。"""
-        return self.cache.pool.nbytes if self.fmt is None else self.cache.nbytes
+def blocks_needed(r: Request, block_size: int) -> int:
+    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""
+    return -(-(len(r.prompt_ids) + r.max_new_tokens - 1) // block_size)
 
-    def bytes_per_token(self) -> float:
-        return pool_bytes_per_token(self.model.cfg, self.block_size, self.model.dtype, self.fmt)
 
-    def generate(self, requests, eos_ids=(), tokenizer=None, on_step=None):
-        """step07 的 generate 原样；--preempt swap 时另把这次运行的换出次数、字节、秒数记进 last_swap。"""
-        sw = self.swap
-        before = (sw.num_swap_out, sw.num_swap_in, sw.bytes_out, sw.bytes_in, sw.seconds_out, sw.seconds_in) if sw else None
-        out = super().generate(requests, eos_ids, tokenizer, on_step)
-        if sw is not None:
-            now = (sw.num_swap_out, sw.num_swap_in, sw.bytes_out, sw.bytes_in, sw.seconds_out, sw.seconds_in)
-            self.last_swap = SwapCounters(*(a - b for a, b in zip(now, before)),
-                                          recompute_preemptions=self.last_scheduler.num_recompute_preemptions,
-                                          tokens=list(self.last_scheduler.swap_out_tokens))
-        return out
+class GenerateOutput(NamedTuple):
+    outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
+    stats: EngineStats
 
-    def collect(self, stats, sched, seqs) -> None:
-        super().collect(stats, sched, seqs)
-        self.last_scheduler = sched      # 这次 generate 的调度器：generate 结束后读它的换出记录
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None, eos_ids=(), clock: Clock | None = None):
+        config.validate()
+        self.model, self.config = model, config
+        self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
+        self.clock = clock or WallClock()
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
+                                         kv_format(config.kv_dtype, model.dtype))
+            self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2)
+                         if config.preempt == "swap" else None)
+        except (RuntimeError, MemoryError) as e:
+            raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
+                            f"tokens: {e}") from None
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
+        self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
+        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
+        self._next_id = 0
+
+    def add_request(self, request: Request) -> int:
+        """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
+        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
+        if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
+            raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
+                            f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
+                            f"has only {have}: raise --num-blocks or lower --max-new-tokens")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return           # 不认识或已经结束：什么也不做
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        t0 = self.clock.now()
+        batch = self.scheduler.schedule()
+        fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
+        logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
+        outputs += self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, outputs)
+        return outputs
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """每个请求的 K/V 往前推它这一步算的 token 数；算到了最后一个 token 的请求采一个 token（prefill 的前几块不采样）。
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求立刻还块。"""
+        outputs, row, now = [], 0, self.clock.now()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
+            token = sample(logits[row], seq.token_ids, seq.request.params, seq.generator)
+            row += 1
+            seq.in_prefill = False
+            reason = seq.append_token(token, self.eos_ids, self.tokenizer)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
+                seq.first_token_time = now
+            if reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)   # 立刻还块：下一步就能接纳新请求
+                del self.seqs[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens))
+        return outputs
+
+    def _record(self, batch: SchedulerOutput, fwd, seconds: float, outputs: list[RequestOutput]) -> None:
+        """这一步的一行账。干等 = 运行集合里已经有输出、这一步却没有产出 token 的请求（在等别人的 prefill）。"""
+        produced = {o.request_id for o in outputs}
+        stalled = [seq for seq in self.scheduler.running if seq.output_ids and seq.request_id not in produced]
+        for seq in stalled:
+            seq.stall_time += seconds
+        held, used = self.block_manager.usage(self.scheduler.running)
+        B, L = fwd.input_ids.shape
+        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
+                                         fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+
+    def generate(self, requests: list[Request]) -> GenerateOutput:
+        """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
+        中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
+        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        try:
+            for r in requests:
+                seqs.append(self.seqs[self.add_request(r)])
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            for seq in seqs:
+                self.abort(seq.request_id)           # 已经结束的请求 abort 什么也不做
+        return GenerateOutput([s.output_ids for s in seqs],
+                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

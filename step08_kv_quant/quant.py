@@ -1,11 +1,15 @@
-"""KV 量化的数学：对称 int8 / fp8 (e4m3)，每组数共用一个 scale；以及把码和 scale 并排存放的块存储。
+"""KV 量化的数学：对称 int8 / fp8 (e4m3)，每组数共用一个 scale；以及池子里 K/V 的存法（KVFormat）。
 
 量化一组数 x（同一个 scale 管的那些数）：
 
-    scale = max|x| / qmax                     int8: qmax = 127；fp8 e4m3: qmax = 448（e4m3fn 能表示的最大值）
+    scale = max(max|x| / qmax, 最小正规数)                      int8: qmax = 127；fp8 e4m3: qmax = 448（e4m3fn 能表示的最大值）
     int8: code = clamp(round(x / scale), -127, 127)     存 1 字节的整数
     fp8 : code = fp8(clamp(x / scale, -448, 448))        存 1 字节的浮点数（torch.float8_e4m3fn，就近舍入）
     读回: x̂ = code · scale
+
+边界情况都给有限、有界的结果：整组都是 0 时 scale = 1（码全是 0）；max|x| 小到除出来是非正规数时 scale 取
+float32 的最小正规数（码接近 0，不会除以 0）；NaN 的码是 0、±inf 截断到 ±qmax（算 scale 时只看有限的数）——
+正常的模型里不会出现这些值，出现了也不会把整块的 scale 变成 NaN、把别的 token 一起毁掉。
 
 int8 的误差是绝对的：每个数最多差半个台阶 scale / 2，无论它本身多大——所以一组里只要有一个很大的数（离群值），
 scale 就大，同组的小数被量化得很粗。fp8 是浮点数：3 位尾数，误差与数本身成比例（正规数最多差 2⁻⁴ = 6.25%），
@@ -24,16 +28,23 @@ scale 由谁共享（粒度），以一块 (H_kv, block_size, D) 为单位：
 流式缓存里每个 token 的 K/V 算出来就写一次，以后不许再改。token 粒度的 scale 只看这个 token 自己，写入时就能定；
 block / channel 粒度的 scale 要看整块 block_size 个 token，块没写满时还定不下来——所以这两种粒度只在块写满时
 量化整块，没写满的那一块以原精度暂存（KIVI 的做法：最近的一段保持全精度）。见 needs_full_block。
+引擎的池子只用 token 粒度（KVFormat）；其余粒度在 analysis/（第 08 章比较各粒度的质量）。
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from common.errors import UserError
+
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 GRANULARITIES = ("token", "block", "channel", "tensor")
 SCALE_DTYPE = torch.float32  # scale 用 float32 存：它只有 1/D（或更少）的份量，省下的字节不值得再引入一层舍入误差
+SCALE_FLOOR = torch.finfo(SCALE_DTYPE).tiny   # scale 的下限：float32 的最小正规数
+KV_DTYPE_CHOICES = ("float32", "bfloat16", "int8", "fp8")
+FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,8 @@ class QuantScheme:
             raise ValueError(f"unknown granularity {self.granularity!r} (choose from {', '.join(GRANULARITIES)})")
         if (self.granularity == "tensor") != (self.static_scale is not None):
             raise ValueError("static_scale is given exactly when granularity is 'tensor'")
+        if self.static_scale is not None and not (math.isfinite(self.static_scale) and self.static_scale > 0):
+            raise ValueError(f"static_scale must be a finite number > 0, got {self.static_scale}")
 
     @property
     def name(self) -> str:
@@ -78,14 +91,16 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     if scheme.granularity == "tensor":
         return torch.full((1,) * x.dim(), scheme.static_scale, dtype=SCALE_DTYPE, device=x.device)
     dims = {"token": (-1,), "block": (-2, -1), "channel": (-2,)}[scheme.granularity]
-    amax = x.abs().amax(dim=dims, keepdim=True).to(SCALE_DTYPE)
-    # 整组都是 0 时 scale 取任何正数都行（码全是 0）；取 1 免得除以 0
-    return torch.where(amax > 0, amax / scheme.qmax, torch.ones_like(amax))
+    a = x.abs().to(SCALE_DTYPE)
+    amax = torch.where(torch.isfinite(a), a, 0.0).amax(dim=dims, keepdim=True)   # 只看有限的数
+    # 整组都是 0 时 scale 取任何正数都行（码全是 0）；取 1。其余的不低于最小正规数：不会除出 inf / NaN
+    return torch.where(amax > 0, (amax / scheme.qmax).clamp_min(SCALE_FLOOR), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """x / scale → 1 字节的码。超出 ±qmax 的截断（clipping）：absmax 算出的 scale 不会超，固定 scale 可能超。"""
-    y = (x.to(SCALE_DTYPE) / scale).clamp(-scheme.qmax, scheme.qmax)
+    """x / scale → 1 字节的码。超出 ±qmax 的截断（clipping）：absmax 算出的 scale 不会超，固定 scale 可能超；
+    ±inf 也截断到 ±qmax，NaN 变成 0（不能让它落进 int8 的类型转换：那是未定义的值）。"""
+    y = (x.to(SCALE_DTYPE) / scale).clamp(-scheme.qmax, scheme.qmax).nan_to_num(0.0)
     if scheme.dtype == "int8":
         y = y.round()            # 就近舍入（.5 取偶），再截断到 [-127, 127]（上面的 clamp）
     return y.to(scheme.storage_dtype)  # fp8：转换本身就是就近舍入到 e4m3 的某个值
@@ -121,55 +136,41 @@ def kv_bytes_per_token(cfg, k: Optional[QuantScheme], v: Optional[QuantScheme], 
     return cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-class QuantizedBlocks:
-    """一份 K 或 V 的量化存储：码与 scale 并排放在一起，按块寻址（与 step05 的池子同一种块内布局）。
+@dataclass(frozen=True)
+class KVFormat:
+    """池子里 K/V 的存法（--kv-dtype）：码的 dtype，以及（量化时）scale 的方案——每个 (token, 头) 一个 scale。
+    为什么引擎里只用 token 粒度：scale 只看这个 token 自己，写入时就能定，流式、按槽写，不需要给未满的块暂存原值。
+    这与 vLLM 较新的 kv_cache_dtype="int8_per_token_head" / "fp8_per_token_head" 是同一种粒度。"""
+    name: str                        # --kv-dtype 的值
+    storage_dtype: torch.dtype
+    scheme: Optional[QuantScheme]    # None = 不量化，只是换一种浮点存（例如 float32 的模型用 bfloat16 存 KV）
 
-        codes  (layers, num_blocks, H_kv, block_size, D)         int8 / float8_e4m3fn
-        scales (layers, num_blocks) + scheme.scale_shape(...)     float32（tensor 粒度：每层一个数 (layers, 1, 1, 1, 1)）
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x (…, D) → 码 (…, D) 与 scale (…, 1)（不量化时 scale 为 None）。"""
+        if self.scheme is None:
+            return x.to(self.storage_dtype), None
+        scale = compute_scale(x, self.scheme)                       # (…, 1)：每个 (token, 头) 一个
+        return quantize(x, scale, self.scheme), scale
 
-    写：write_blocks 量化整块（任何粒度）；write_tokens 量化单个 token（只有 token / tensor 粒度可以，
-    其余粒度的 scale 要等整块）。读：read 把若干块反量化成原 dtype。"""
+    def decode(self, codes: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return codes.to(dtype) if scale is None else dequantize(codes, scale, dtype)
 
-    def __init__(self, scheme: QuantScheme, num_layers: int, num_blocks: int, H_kv: int, block_size: int, D: int,
-                 device=None):
-        self.scheme, self.block_size = scheme, block_size
-        # 用 zeros：没写过的槽读出来是 0（随后被 mask 遮住），不会是随机内存里的 NaN
-        self.codes = torch.zeros(num_layers, num_blocks, H_kv, block_size, D, dtype=scheme.storage_dtype,
-                                 device=device)
-        if scheme.granularity == "tensor":   # 固定 scale：每层一个数 (layers, 1, 1, 1, 1)，不随块走
-            self.scales = torch.full((num_layers, 1, 1, 1, 1), scheme.static_scale, dtype=SCALE_DTYPE, device=device)
-        else:
-            self.scales = torch.ones(num_layers, num_blocks, *scheme.scale_shape(H_kv, block_size, D),
-                                     dtype=SCALE_DTYPE, device=device)
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x 写进池子再读出来是什么（逐位与真的写、读相同：同样的运算、同样的输入）。"""
+        return self.decode(*self.encode(x), x.dtype)
 
-    def tensors(self) -> list[torch.Tensor]:
-        """按块索引的全部张量（块是第 1 维）：换出 / 换入时要原样搬的东西。固定 scale 不随块走，不在其中。"""
-        return [self.codes] if self.scheme.granularity == "tensor" else [self.codes, self.scales]
+    def bytes_per_token(self, cfg, block_size: int) -> float:
+        """每个 token 在池子里占的字节（全部层的 K 和 V，含 scale）。"""
+        return kv_bytes_per_token(cfg, self.scheme, self.scheme, block_size, self.storage_dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
 
-    def _scales(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        return self.scales[layer] if self.scheme.granularity == "tensor" else self.scales[layer, blocks]
-
-    def write_blocks(self, layer: int, blocks: torch.Tensor, x: torch.Tensor) -> None:
-        """blocks (n,) 物理块号；x (n, H_kv, block_size, D) 这些块的全部 block_size 个 token。"""
-        scale = compute_scale(x, self.scheme)                               # (n, H_kv, bs|1, D|1)
-        self.codes[layer, blocks] = quantize(x, scale, self.scheme)
-        if self.scheme.granularity != "tensor":
-            self.scales[layer, blocks] = scale
-
-    def write_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
-        """第 i 个 token 写到块 blocks[i] 的第 offsets[i] 个槽；x (N, H_kv, D)。"""
-        if self.scheme.needs_full_block:
-            raise RuntimeError(f"{self.scheme.name}: a scale spans the whole block; write full blocks only")
-        x = x[:, :, None]                                                   # (N, H_kv, D) -> (N, H_kv, 1, D)：每个 token 自成一组
-        scale = compute_scale(x, self.scheme)                               # (N, H_kv, 1, 1)
-        self.codes[layer, blocks, :, offsets] = quantize(x, scale, self.scheme)[:, :, 0]   # (N, H_kv, D) 进各自的槽
-        if self.scheme.granularity == "token":
-            self.scales[layer, blocks, :, offsets] = scale[:, :, 0]          # (N, H_kv, 1)
-
-    def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """blocks (n,) → 反量化后的 (n, H_kv, block_size, D)，dtype 为模型的 dtype。"""
-        return dequantize(self.codes[layer, blocks], self._scales(layer, blocks), dtype)
+def kv_format(name: Optional[str], model_dtype: torch.dtype) -> Optional[KVFormat]:
+    """--kv-dtype → KVFormat；None（默认）或等于模型 dtype → None：精确模式，池子与 step07 的相同。"""
+    if name is None or FLOAT_KV.get(name) == model_dtype:
+        return None
+    if name in ("int8", "fp8"):
+        scheme = QuantScheme(name, "token")
+        return KVFormat(name, scheme.storage_dtype, scheme)
+    if name in FLOAT_KV:
+        return KVFormat(name, FLOAT_KV[name], None)
+    raise UserError(f"unknown --kv-dtype {name!r} (choose from {', '.join(KV_DTYPE_CHOICES)})")

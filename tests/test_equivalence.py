@@ -4,10 +4,8 @@
 加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
 比较用 ==（逐 token 完全相同），不用近似打平的容差：小模型上没有贴得那么近的 logit；真遇到了就换一个种子，而不是放宽。
 """
-import dataclasses
 import random
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import pytest
@@ -17,11 +15,15 @@ from step02_sampling.engine import generate as generate02
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.engine import generate as generate03
 from step04_static_batching.engine import generate_batch
+from common.clock import VirtualClock
+from common.harness import Arrival, replay
 from step04_static_batching.request import Request
-from step05_paged.engine import PagedEngine, blocks_needed
-from step06_prefix_cache.engine import PrefixCachingEngine
-from step07_chunked_prefill.engine import ChunkedPrefillEngine
-from step08_kv_quant.engine import KVQuantEngine
+from step05_paged import engine as step05_engine
+from step06_prefix_cache import engine as step06_engine
+from step07_chunked_prefill import engine as step07_engine
+from step08_kv_quant import engine as step08_engine
+
+blocks_needed = step05_engine.blocks_needed
 
 
 @dataclass
@@ -48,28 +50,33 @@ def step04(max_batch_size):
     return run
 
 
-def step05(block_size, max_batch_size, pool: str, engine_cls=PagedEngine):
+def pool_blocks(requests, block_size, pool: str) -> int:
     """pool "roomy"：池子放得下全部请求；"tight"：只放得下最大的请求两份，一定会抢占。"""
+    biggest = max(blocks_needed(r, block_size) for r in requests)
+    return 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
+
+
+def step05(block_size, max_batch_size, pool: str, step=step05_engine):
     def run(model, requests, eos_ids):
-        biggest = max(blocks_needed(r, block_size) for r in requests)
-        num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
-        engine = engine_cls(model, num_blocks, block_size, max_batch_size)
-        outputs, stats = engine.generate(requests, eos_ids)
+        config = step.EngineConfig(pool_blocks(requests, block_size, pool), block_size, max_batch_size)
+        outputs, stats = step.LLMEngine(model, config, eos_ids=eos_ids).generate(requests)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
-        assert engine_cls is PagedEngine or sum(stats.cached_tokens) > 0, "step06 was meant to hit its cache"
+        assert step is step05_engine or sum(stats.cached_tokens) > 0, "step06 was meant to hit its cache"
         return outputs
     return run
 
 
-def step07(budget, max_batch_size, pool: str, gap_s: float = 0.0, engine_cls=ChunkedPrefillEngine):
-    """token 预算 budget，pool 同 step05；gap_s > 0 时请求每隔 gap_s 秒陆续到达（分块 prefill 与正在 decode 的请求混在一起）。"""
+def step07(budget, max_batch_size, pool: str, every_steps: int = 0, step=step07_engine, **config):
+    """token 预算 budget，pool 同 step05；every_steps > 0 时请求每隔这么多步陆续到达（虚拟时钟：与机器快慢无关；
+    分块 prefill 与正在 decode 的请求混在一起）。"""
     def run(model, requests, eos_ids):
-        requests = [dataclasses.replace(r, arrival_s=i * gap_s) for i, r in enumerate(requests)]
-        biggest = max(blocks_needed(r, 4) for r in requests)
-        num_blocks = 2 * biggest if pool == "tight" else sum(blocks_needed(r, 4) for r in requests)
-        outputs, stats = engine_cls(model, num_blocks, 4, max_batch_size, budget).generate(requests, eos_ids)
+        clock = VirtualClock()
+        cfg = step.EngineConfig(pool_blocks(requests, 4, pool), 4, max_batch_size, budget, **config)
+        engine = step.LLMEngine(model, cfg, eos_ids=eos_ids, clock=clock)
+        outputs, stats = replay(engine, [Arrival(i * every_steps, r) for i, r in enumerate(requests)], clock)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
         assert stats.prefill_padding_slots == 0
+        assert not config.get("preempt") == "swap" or engine.swap.num_swap_out > 0, "swap mode was meant to swap"
         return outputs
     return run
 
@@ -83,14 +90,14 @@ ENGINES = [
     Engine("step04_batches_of_3", step04(max_batch_size=3)),
     Engine("step05_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy")),
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
-    Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", engine_cls=PrefixCachingEngine)),
-    Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", engine_cls=PrefixCachingEngine)),
+    Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", step=step06_engine)),
+    Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", step=step06_engine)),
     Engine("step07_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight")),
-    Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", gap_s=0.002)),
+    Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", every_steps=3)),
     # step08 的精确模式（--kv-dtype 默认 = 模型 dtype）：重算式与换出式抢占
-    Engine("step08_exact_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", engine_cls=KVQuantEngine)),
-    Engine("step08_exact_swap_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight",
-                                                           engine_cls=partial(KVQuantEngine, preempt="swap"))),
+    Engine("step08_exact_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine)),
+    Engine("step08_exact_swap_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine,
+                                                           preempt="swap")),
 ]
 
 

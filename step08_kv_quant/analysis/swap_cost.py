@@ -15,8 +15,9 @@ from common.bench import median_time
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import forward
 
-from .quant import QuantizedBlocks, QuantScheme
-from .swap import SwapSpace
+from step08_kv_quant.analysis.dense_cache import QuantizedBlocks
+from step08_kv_quant.quant import QuantScheme
+from step08_kv_quant.swap import SwapSpace
 
 
 @dataclass
@@ -73,7 +74,7 @@ def measure_swap_vs_recompute(model, lengths: list[int], block_size: int = 16, r
 
         def round_trip():
             before_out, before_in = space.seconds_out, space.seconds_in
-            space.swap_in(space.swap_out(blocks), blocks)
+            space.swap_in(space.swap_out(blocks, n), blocks)
             outs.append(space.seconds_out - before_out)
             ins.append(space.seconds_in - before_in)
 

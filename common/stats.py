@@ -1,5 +1,6 @@
 """每次前向记一行 StepStats，引擎的全部统计都由这些行和每个请求的时刻算出（只数真正发生的，不是事后估算）。
-step05 原样沿用这两个类，所以两步的浪费、TTFT / TPOT 是同一个定义、同一段代码算出来的。
+step04 的静态批和 step05 起的每个引擎都记同样的行，所以各步的浪费、TTFT / TPOT 是同一个定义、同一段代码算出来的
+（step05 起由 collect_stats 从引擎的 step_stats 和每个请求的 Sequence 汇总）。
 
     prefill 填充浪费 = Σ_prefill 前向 (B × L − 真实 token) ÷ Σ_prefill 前向 B × L
     decode 空转浪费  = Σ_decode 前向 陪跑的行 ÷ Σ_decode 前向 B
@@ -7,7 +8,8 @@ step05 原样沿用这两个类，所以两步的浪费、TTFT / TPOT 是同一�
                        （每次前向之后采样一次，按槽数加权平均；"槽"= 一个 token 的 K/V，
                         字节数 = 槽 × cfg.kv_bytes_per_token(每个数的字节数)）
 
-step04 持有的槽是整批预留的 B × max_len；step05 是运行集合的块数 × block_size。
+step04 持有的槽是整批预留的 B × max_len；step05 起是运行集合的块数 × block_size（step06 起共享的块只算一次）。
+时刻都来自引擎的时钟（common/clock.py）：真实运行是墙钟，测试里是虚拟时钟。
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,7 +27,9 @@ class StepStats:
     kv_slots_used: int         # 其中存着真实 token 的 K/V 的槽
     seconds: float             # 这一步的墙钟时间：准备输入 + 前向 + 采样
     gather_bytes: int = 0      # 读 KV 时复制的字节（step05 按块表 gather；step04 读的是视图，0）
-    stalled: int = 0           # 这一步里干等的请求数：已经在 decode、却因为这一步是别人的 prefill 而没有前进（step05）
+    stalled: int = 0           # 这一步里干等的请求数：已经有输出、在运行集合里，这一步却没有产出 token（在等别人的 prefill）
+    decode_tokens: int = 0     # tokens 里有几个是 decode 的（step07 起一次前向里 decode 与 prefill 的块混在一起）
+    num_running: int = 0       # 前向之后运行集合里的请求数
 
 
 @dataclass
@@ -36,7 +40,14 @@ class EngineStats:
     first_token_s: list[float] = field(default_factory=list)
     finish_s: list[float] = field(default_factory=list)
     num_outputs: list[int] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
     stall_s: list[float] = field(default_factory=list)    # 首 token 之后干等别人 prefill 的总时间（step04 恒为 0）
+    # step05 起的引擎还记这些（每个请求一项，顺序同上）；step04 的静态批没有，留空
+    arrival_s: list[float] = field(default_factory=list)          # 到达（add_request）的时刻
+    token_s: list[list[float]] = field(default_factory=list)      # 每个输出 token 产出的时刻
+    preempted: list[int] = field(default_factory=list)            # 被抢占了几次
+    cached_tokens: list[int] = field(default_factory=list)        # 提示词里有几个 token 用了前缀缓存（没有前缀缓存的引擎为 0）
+    idle_s: float = 0.0        # 没有请求可做、时钟直接拨过去的时间（请求陆续到达时）；不在 wall_s 里
 
     # ---- 前向次数与 token ----
     @property
@@ -53,8 +64,9 @@ class EngineStats:
 
     @property
     def prefill_tokens(self) -> int:
-        """prefill 前向里真正算的 token（不含填充）：step05 被抢占后的重算也在里面，step06 命中的前缀不在里面。"""
-        return sum(st.tokens for st in self.steps if st.prefill)
+        """prefill 真正算的 token（不含填充，不含混在同一次前向里的 decode）：被抢占后的重算也在里面，
+        step06 命中的前缀不在里面。"""
+        return sum(st.tokens - st.decode_tokens for st in self.steps if st.prefill)
 
     @property
     def generated_tokens(self) -> int:
@@ -63,6 +75,11 @@ class EngineStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def forward_shapes(self) -> list[tuple]:
+        """每一次前向算了什么：(是否 prefill, 行数, 每行宽度, 真实 token 数)——两个引擎"每一次前向都相同"就比它。"""
+        return [(x.prefill, x.rows, x.width, x.tokens) for x in self.steps]
 
     # ---- 三种浪费（定义见模块说明）----
     @property
@@ -90,6 +107,24 @@ class EngineStats:
         return sum(st.kv_slots_used for st in self.steps)
 
     @property
+    def preemptions(self) -> int:
+        return sum(self.preempted)
+
+    @property
+    def peak_running(self) -> int:
+        """同时在运行集合里的请求数的峰值。"""
+        return max((st.num_running for st in self.steps), default=0)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lens)
+
+    @property
+    def hit_rate(self) -> float:
+        """前缀缓存命中率 = 用了缓存的提示词 token ÷ 全部提示词 token。"""
+        return sum(self.cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def peak_kv_slots_held(self) -> int:
         return max((st.kv_slots_held for st in self.steps), default=0)
 
@@ -111,3 +146,26 @@ class EngineStats:
         只有 1 个输出的请求没有 TPOT（None）。"""
         return [(f - t - (s if without_stall else 0.0)) / (n - 1) if n > 1 else None
                 for t, f, n, s in zip(self.first_token_s, self.finish_s, self.num_outputs, self.stall_s)]
+
+    def ttft_s(self) -> list[float]:
+        """首 token 延迟从请求到达算起（全部在 0 时刻到达时就是 first_token_s）。"""
+        arrivals = self.arrival_s or [0.0] * len(self.first_token_s)
+        return [f - a for f, a in zip(self.first_token_s, arrivals)]
+
+    def max_gap_s(self) -> list[Optional[float]]:
+        """每个请求相邻两个输出 token 之间最长的间隔：它在运行中被卡住的最长一次（只有 1 个输出的请求为 None）。"""
+        return [max(b - a for a, b in zip(ts, ts[1:])) if len(ts) > 1 else None for ts in self.token_s]
+
+
+def collect_stats(seqs, steps: list[StepStats], wall_s: float, idle_s: float = 0.0) -> EngineStats:
+    """step05 起的引擎跑完一组请求：seqs 是它们的 Sequence（顺序同 requests），steps 是这段时间里的每一步。
+    时刻换算成相对第一个请求到达的时刻。"""
+    t0 = min((s.arrival_time for s in seqs), default=0.0)
+    rel = lambda t: None if t is None else t - t0   # noqa: E731
+    return EngineStats(
+        steps=list(steps), wall_s=wall_s, idle_s=idle_s,
+        first_token_s=[rel(s.first_token_time) for s in seqs], finish_s=[rel(s.finish_time) for s in seqs],
+        num_outputs=[len(s.output_ids) for s in seqs], prompt_lens=[len(s.request.prompt_ids) for s in seqs],
+        stall_s=[s.stall_time for s in seqs], arrival_s=[rel(s.arrival_time) for s in seqs],
+        token_s=[[rel(t) for t in s.token_times] for s in seqs], preempted=[s.num_preemptions for s in seqs],
+        cached_tokens=[getattr(s, "num_cached_tokens", 0) or 0 for s in seqs])

@@ -6,6 +6,7 @@ step07 把它切成块，和 decode 混在一起算。负载由固定种子生�
 """
 import random
 
+from common.harness import Arrival
 from common.prompts import LONG_PROMPT
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
@@ -23,7 +24,7 @@ def long_document(k: int) -> str:
         for i in range(1, 40)) + "\nQuestion: which station had the most rain? Answer:"
 
 
-def arrival_workload(tok, quick: bool, step_s: float, seed: int = 0) -> list[Request]:
+def arrival_workload(tok, quick: bool, step_s: float, seed: int = 0) -> list[Arrival]:
     """完整：28 个请求，每 5 个里第 4 个是长提示词（约 600–1000 token，输出 16–32），其余短提示词 20–100 token、
     输出 32–96；平均每 10 个 decode 步到达一个。--quick：10 个请求，长提示词 200–300 token，短的 10–40 / 输出 8–24，
     平均每 6 步到达一个。每 3 个里有 1 个带种子采样（温度 0.8、top-p 0.95），其余贪心。
@@ -44,7 +45,7 @@ def arrival_workload(tok, quick: bool, step_s: float, seed: int = 0) -> list[Req
             start = rng.randint(0, len(text) - length)
             ids, max_new = text[start:start + length], rng.randint(*short_out)
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=3000 + i) if i % 3 == 1 else SamplingParams()
-        requests.append(Request(ids, max_new, params, arrival_s=t))
+        requests.append(Arrival(t, Request(ids, max_new, params)))
         t += rng.expovariate(1 / gap_steps) * step_s
     return requests
 

@@ -1,12 +1,12 @@
 """一次混合前向（几个 decode + 一个 prefill 块）的三种做法，算的是同一件事，量它们各花多少：
 
-  展平 + 按段注意力（step07 的 FlatForward）  一行 T 个 token；decode 一段、每个块一段，各自只看自己的 K/V
-  左填充 + 掩码（step05 的 plan 直接用于混合批）  (B, L) 一批：decode 行也补齐到块的长度 L，线性层为填充付钱
+  展平 + 按段注意力（step07 的 plan）              一行 T 个 token；decode 一段、每个块一段，各自只看自己的 K/V
+  左填充 + 掩码（step05/06 的 plan 直接用于混合批） (B, L) 一批：decode 行也补齐到块的长度 L，线性层为填充付钱
   展平 + 块对角掩码（一行、一个掩码）          一行 T 个 query 对所有请求拼起来的 ΣS 个 key 算分数，再遮掉别人的
 
-run.py 的 [4] 用 compare()；直接运行本文件可以换上下文和块的长度：
+chapter.py 的 [4] 用 compare()；直接运行本文件可以换上下文和块的长度：
 
-    python step07_chunked_prefill/varlen_bench.py [--quick] [--contexts 280,310,295,330,270,305,320,290] [--chunk 200,56]
+    python step07_chunked_prefill/analysis/varlen_bench.py [--quick] [--contexts 280,310,295,330,270,305,320,290] [--chunk 200,56]
 
 池子里先填好随机数（种子固定）当作已缓存的 K/V：三种做法读的是同一个池子，算出的 logits 应当相同
 （矩阵形状不同，浮点末位可以不同）。每次调用都重算同一步（写同样的槽、读同样的块），交替计时各取中位数。
@@ -16,17 +16,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from common.bench import machine, table  # noqa: E402
+from common.bench import interleaved_medians, machine, table  # noqa: E402
 from common.kv_cache import KVCache  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.decode_bench import interleaved_medians  # noqa: E402
-from step05_paged.paged_cache import PagedForward, PagedKVCache  # noqa: E402
-from step06_prefix_cache.sequence import Sequence  # noqa: E402
-from step07_chunked_prefill.flat_forward import FlatForward, plan_flat  # noqa: E402
+from step07_chunked_prefill.kv_cache import FlatAttentionMetadata, PagedKVCache  # noqa: E402
+from step07_chunked_prefill.sequence import Sequence  # noqa: E402
 
 FLAT, PADDED, DENSE = "展平 + 按段注意力（step07）", "左填充 + 掩码（step05 的 plan）", "展平 + 块对角掩码"
 
@@ -52,14 +50,14 @@ class DenseRowForward(KVCache):
         return k_all, v_all
 
 
-def plan_dense(cache: PagedKVCache, seqs, num_new_tokens: list[int], flat: FlatForward) -> DenseRowForward:
-    """与 plan_flat 同样的行（同样的顺序、位置、写入的槽），注意力换成一个 (T, ΣS) 的块对角掩码。"""
+def plan_dense(cache: PagedKVCache, seqs, num_new_tokens: list[int], flat: FlatAttentionMetadata) -> DenseRowForward:
+    """与 step07 的 plan 同样的行（同样的顺序、位置、写入的槽），注意力换成一个 (T, ΣS) 的块对角掩码。"""
     bs, H_kv, dev = cache.block_size, cache.H_kv, cache.pool.device
     singles = [i for i, n in enumerate(num_new_tokens) if n == 1]
-    order = singles + [i for i, n in enumerate(num_new_tokens) if n > 1]     # plan_flat 的行顺序
+    order = singles + [i for i, n in enumerate(num_new_tokens) if n > 1]     # step07 plan 的行顺序
     q_owner = torch.tensor([i for i in order for _ in range(num_new_tokens[i])])
     q_pos = flat.positions[0].cpu()
-    tables = [seqs[i].block_table[:-(-(seqs[i].num_cached_tokens + num_new_tokens[i]) // bs)] for i in order]
+    tables = [seqs[i].block_table[:-(-(seqs[i].num_computed_tokens + num_new_tokens[i]) // bs)] for i in order]
     k_owner = torch.tensor([i for i, t in zip(order, tables) for _ in range(len(t) * bs)])
     k_pos = torch.cat([torch.arange(len(t) * bs) for t in tables])
     mask = (k_owner[None, :] == q_owner[:, None]) & (k_pos[None, :] <= q_pos[:, None])   # (T, ΣS)
@@ -74,7 +72,7 @@ def plan_dense(cache: PagedKVCache, seqs, num_new_tokens: list[int], flat: FlatF
 
 def score_count(fwd) -> int:
     """注意力每个头、每层要算的分数个数：Σ 段 B × L × S（掩码的形状），块对角的是 T × ΣS。"""
-    if isinstance(fwd, FlatForward):
+    if isinstance(fwd, FlatAttentionMetadata):
         return sum(score_count(seg) for seg in fwd.segments)
     B, _, _, L, S = fwd.mask.shape
     return B * L * S
@@ -91,10 +89,10 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
     cache.pool.copy_(torch.randn(cache.pool.shape, generator=g).to(cache.pool.dtype) * 0.5)   # 当作已缓存的 K/V
     seqs, first = [], 0
     for i, n in enumerate(lengths):
-        seq = Sequence(Request(list(range(1, n + 1)), 4), torch.Generator())
+        seq = Sequence(i, Request(list(range(1, n + 1)), 4), torch.Generator(), 0.0)
         seq.block_table = list(range(first, first + need[i]))
         first += need[i]
-        seq.num_cached_tokens = n - 1 if i < len(decode_contexts) else cached
+        seq.num_computed_tokens = n - 1 if i < len(decode_contexts) else cached
         seqs.append(seq)
     return cache, seqs, [1] * len(decode_contexts) + [L]
 
@@ -107,16 +105,16 @@ def compare(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: i
     model = s.model
 
     def flat():
-        fwd = plan_flat(cache, seqs, num_new)
+        fwd = cache.plan(seqs, num_new)
         return fwd, fwd.input_ids, model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)[0]  # (R, V)
 
     def padded():
-        fwd = cache.plan(seqs, num_new)
-        # 左填充：每行最后一列就是它这一步的最后一个 token；行顺序与 plan_flat 的 logits_index 相同（decode 在前）
+        fwd = cache._plan_segment(seqs, num_new)      # step05/06 的 plan：一个左填充的 (B, L) 批
+        # 左填充：每行最后一列就是它这一步的最后一个 token；行顺序与 plan 的 logits_index 相同（decode 在前）
         return fwd, fwd.input_ids, model(fwd.input_ids, fwd.positions, fwd, last_only=True)[:, -1]            # (B, V)
 
     def dense():
-        f = plan_flat(cache, seqs, num_new)
+        f = cache.plan(seqs, num_new)
         fwd = plan_dense(cache, seqs, num_new, f)
         return fwd, f.input_ids, model(f.input_ids, f.positions, fwd, logits_index=f.logits_index)[0]         # (R, V)
 

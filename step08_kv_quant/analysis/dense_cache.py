@@ -15,7 +15,62 @@ import torch
 from common.config import ModelConfig
 from step03_kvcache_single.cache import PreallocKVCache, _check_room
 
-from .quant import QuantizedBlocks, QuantScheme
+from step08_kv_quant.quant import SCALE_DTYPE, QuantScheme, compute_scale, dequantize, quantize
+
+
+
+class QuantizedBlocks:
+    """一份 K 或 V 的量化存储：码与 scale 并排放在一起，按块寻址（与 step05 的池子同一种块内布局）。
+
+        codes  (layers, num_blocks, H_kv, block_size, D)         int8 / float8_e4m3fn
+        scales (layers, num_blocks) + scheme.scale_shape(...)     float32（tensor 粒度：每层一个数 (layers, 1, 1, 1, 1)）
+
+    写：write_blocks 量化整块（任何粒度）；write_tokens 量化单个 token（只有 token / tensor 粒度可以，
+    其余粒度的 scale 要等整块）。读：read 把若干块反量化成原 dtype。"""
+
+    def __init__(self, scheme: QuantScheme, num_layers: int, num_blocks: int, H_kv: int, block_size: int, D: int,
+                 device=None):
+        self.scheme, self.block_size = scheme, block_size
+        # 用 zeros：没写过的槽读出来是 0（随后被 mask 遮住），不会是随机内存里的 NaN
+        self.codes = torch.zeros(num_layers, num_blocks, H_kv, block_size, D, dtype=scheme.storage_dtype,
+                                 device=device)
+        if scheme.granularity == "tensor":   # 固定 scale：每层一个数 (layers, 1, 1, 1, 1)，不随块走
+            self.scales = torch.full((num_layers, 1, 1, 1, 1), scheme.static_scale, dtype=SCALE_DTYPE, device=device)
+        else:
+            self.scales = torch.ones(num_layers, num_blocks, *scheme.scale_shape(H_kv, block_size, D),
+                                     dtype=SCALE_DTYPE, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """按块索引的全部张量（块是第 1 维）：换出 / 换入时要原样搬的东西。固定 scale 不随块走，不在其中。"""
+        return [self.codes] if self.scheme.granularity == "tensor" else [self.codes, self.scales]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def _scales(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        return self.scales[layer] if self.scheme.granularity == "tensor" else self.scales[layer, blocks]
+
+    def write_blocks(self, layer: int, blocks: torch.Tensor, x: torch.Tensor) -> None:
+        """blocks (n,) 物理块号；x (n, H_kv, block_size, D) 这些块的全部 block_size 个 token。"""
+        scale = compute_scale(x, self.scheme)                               # (n, H_kv, bs|1, D|1)
+        self.codes[layer, blocks] = quantize(x, scale, self.scheme)
+        if self.scheme.granularity != "tensor":
+            self.scales[layer, blocks] = scale
+
+    def write_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+        """第 i 个 token 写到块 blocks[i] 的第 offsets[i] 个槽；x (N, H_kv, D)。"""
+        if self.scheme.needs_full_block:
+            raise RuntimeError(f"{self.scheme.name}: a scale spans the whole block; write full blocks only")
+        x = x[:, :, None]                                                   # (N, H_kv, D) -> (N, H_kv, 1, D)：每个 token 自成一组
+        scale = compute_scale(x, self.scheme)                               # (N, H_kv, 1, 1)
+        self.codes[layer, blocks, :, offsets] = quantize(x, scale, self.scheme)[:, :, 0]   # (N, H_kv, D) 进各自的槽
+        if self.scheme.granularity == "token":
+            self.scales[layer, blocks, :, offsets] = scale[:, :, 0]          # (N, H_kv, 1)
+
+    def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """blocks (n,) → 反量化后的 (n, H_kv, block_size, D)，dtype 为模型的 dtype。"""
+        return dequantize(self.codes[layer, blocks], self._scales(layer, blocks), dtype)
 
 
 class QuantKVCache(PreallocKVCache):

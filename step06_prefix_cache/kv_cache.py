@@ -5,18 +5,19 @@
 一个 token 在序列里的逻辑位置 p 落在第 p // block_size 个逻辑块、块内第 p % block_size 个槽，
 逻辑块经块表 block_table 映射到物理块。
 
-每次前向之前，引擎调用 plan(seqs)，得到这次前向的 PagedForward：这一批请求要算的新 token 排成左填充的
-(B, L) 张量，算好 slot_mapping（每个真实新 token 的 K/V 写到哪个槽）、掩码，以及要不要读池子、读哪些行。
+每次前向之前，引擎调用 plan(seqs, num_new_tokens)，得到这次前向的 AttentionMetadata：这一批请求要算的新 token
+排成左填充的 (B, L) 张量，算好 slot_mapping（每个真实新 token 的 K/V 写到哪个槽）、掩码、要不要读池子、读哪些行，
+以及要算 logits 的位置（左填充让每行最后一个 token 都在最后一列）。
 引擎把它当作 cache 传给模型（common/kv_cache.py 的接口：update + mask），模型的每一层调用
 update(layer_idx, k, v)：
 
   写  按 slot_mapping 把新 K/V 写进池子（每个真实 token 一次，填充不写）；
-  读  这次前向里没有任何行有已缓存的 token（全新的 prefill）：直接返回本次前向自己的 K/V，一个字节都不读池子；
-      否则（decode；step06 起还有"前缀已缓存、再 prefill 剩下部分"的行）：按块表把每行的块 gather 成连续的
+  读  没有任何行有已进池子的 token（全新的 prefill）：直接返回本次前向自己的 K/V，一个字节都不读池子；
+      否则（decode，以及 step06 的"前缀命中、prefill 剩下部分"的行）：按块表把每行的块 gather 成连续的
       (B, H_kv, S, D)——与 step03 的连续缓存返回的形状相同，模型代码一行不改。
 
 gather 是一次真实的拷贝，每层、每个 decode 步都要做：B × max_blocks × block_size 个槽，每槽
-cfg.kv_bytes_per_token 字节（全部层的 K 和 V）。PagedForward.gather_bytes 在拷贝发生的地方把它如实累加。
+cfg.kv_bytes_per_token 字节（全部层的 K 和 V）。AttentionMetadata.gather_bytes 在拷贝发生的地方把它如实累加。
 真正的 PagedAttention 内核不做这次拷贝：注意力在内核里直接按块表去读池子里的块（docs/05_paged.md 第 3 节）。
 
 池子比分配器管的块多一块：最后一块是空块（null block），从不分给任何请求。块表较短的行补齐时指向它，
@@ -35,8 +36,8 @@ from step04_static_batching.batch import PAD_ID, attention_mask
 
 
 @dataclass
-class PagedForward(KVCache):
-    """一次前向的全部"地址"信息（nano-vllm 把它放在全局 context 里；我们显式传给模型）。"""
+class AttentionMetadata(KVCache):
+    """一次前向的全部"地址"信息（vLLM 叫 attention metadata；nano-vllm 把它放在全局 context 里，我们显式传给模型）。"""
     pool: torch.Tensor          # (layers, 2, num_blocks + 1, H_kv, block_size, D) 整个池子（视图，不复制）
     input_ids: torch.Tensor     # (B, L)  每行是该请求还没进缓存的 token，左填充
     positions: torch.Tensor     # (B, L)  这些 token 的绝对位置；填充处为 0
@@ -44,6 +45,7 @@ class PagedForward(KVCache):
     token_index: torch.Tensor   # (N,)    真实 token 在展平的 B·L 里的下标（跳过填充）
     slot_mapping: torch.Tensor  # (N,)    第 n 个真实 token 的 K/V 写到池子的哪个槽
     block_tables: torch.Tensor  # (B, max_blocks) 每行的块表；较短的行用空块补齐
+    logits_index: torch.Tensor  # (1,)    要算 logits 的列：左填充后每行的最后一个 token 都在第 L-1 列
     # 读池子用（没有任何行有已缓存的 token 时都是 None：不读）
     read_rows: Optional[torch.Tensor] = None   # (2·B·H_kv·max_blocks,) 池子一层的视图 (2·(num_blocks+1)·H_kv, block_size·D) 里要拷出的行
     read_buf: Optional[torch.Tensor] = None    # (2·B·H_kv·max_blocks, block_size·D) 拷到这里；每层复用同一块
@@ -90,31 +92,26 @@ class PagedKVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
-    def plan(self, seqs, num_new_tokens: Optional[list[int]] = None) -> PagedForward:
-        """seqs 里每个请求：位置 num_cached_tokens .. num_tokens-1 的 token 要算（prefill：整段；decode：1 个；
-        step06 起还有"前 num_cached_tokens 个已在池子里、prefill 剩下的"）。
-        num_new_tokens（step07 的分块 prefill）：每行只算紧接着的这么多个 token，默认是还没进缓存的全部。
-        调度器负责让块表覆盖到要算的最后一个位置；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
+    def plan(self, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
+        """seqs[i] 这一步算位置 num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 的 token
+        （prefill：还没进池子的全部；decode：1 个）。调度器负责让块表覆盖到要算的最后一个位置；
+        没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
         bs, dev = self.block_size, self.pool.device
-        if num_new_tokens is None:
-            num_new_tokens = [seq.num_tokens - seq.num_cached_tokens for seq in seqs]
         for seq, n in zip(seqs, num_new_tokens):
-            end = seq.num_cached_tokens + n
-            if not seq.num_cached_tokens < end <= seq.num_tokens:
-                raise RuntimeError(f"cannot compute {n} new tokens of a sequence with {seq.num_cached_tokens} of "
-                                   f"{seq.num_tokens} tokens cached")
+            end = seq.num_computed_tokens + n
+            if not seq.num_computed_tokens < end <= seq.num_tokens:
+                raise RuntimeError(f"cannot compute {n} new tokens of a sequence with {seq.num_computed_tokens} of "
+                                   f"{seq.num_tokens} tokens computed")
             if end > len(seq.block_table) * bs:
                 raise RuntimeError(f"block table of {len(seq.block_table)} blocks x {bs} slots does not cover "
                                    f"position {end - 1}: the scheduler must allocate blocks first")
         B = len(seqs)
-        news = [seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + n]        # 每行这次要算的 token
+        news = [seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]    # 每行这次要算的 token
                 for seq, n in zip(seqs, num_new_tokens)]
         L = max(len(t) for t in news)
-        # 每行只用到这次要算的最后一个位置所在的块（step05/06 的块表正好这么长；step07 一个提示词的块在接纳时
-        # 一次分好，分块 prefill 的前几块用不到后面的块）
-        tables = [seq.block_table[:-(-(seq.num_cached_tokens + n) // bs)] for seq, n in zip(seqs, num_new_tokens)]
+        tables = [seq.block_table for seq in seqs]
         max_blocks = max(map(len, tables))
-        cached = torch.tensor([seq.num_cached_tokens for seq in seqs])             # (B,)
+        cached = torch.tensor([seq.num_computed_tokens for seq in seqs])           # (B,)
         n_new = torch.tensor([len(t) for t in news])                               # (B,)
         # 左填充：真实 token 靠右，last_only 取到的就是每行最后一个真实 token
         input_ids = torch.tensor([[PAD_ID] * (L - len(t)) + t for t in news])      # (B, L)
@@ -127,11 +124,12 @@ class PagedKVCache:
         token_index = real.flatten().nonzero().squeeze(1)                          # (N,)
         slot_mapping = slots.flatten()[token_index]                                # (N,)
 
-        if not any(seq.num_cached_tokens for seq in seqs):
+        logits_index = torch.tensor([L - 1], device=dev)
+        if not any(seq.num_computed_tokens for seq in seqs):
             # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
             mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
-            return PagedForward(self.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
-                                token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev))
+            return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
+                                     token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index)
         S = max_blocks * bs
         # 按绝对位置的因果掩码：位置 p 的 query 只看位置 ≤ p 的 key。块表里还没写（或补齐出来）的槽，
         # 位置都 > 该行任何真实 query 的位置，自然被遮住；填充的 query 位置为 0，只看 key 0，不会整行全遮。
@@ -143,13 +141,13 @@ class PagedKVCache:
         read_rows = ((kv * (self.num_blocks + 1) + block_tables[None, :, None, :]) * self.H_kv + heads).flatten()
         #            (2, B, H_kv, max_blocks) 展平：拷出来的顺序就是 (K/V, B, H_kv, S)
         length = cached + n_new                                                    # (B,) 这次前向之后每行的长度
-        own = torch.tensor([len(seq.block_table) * bs for seq in seqs])            # (B,) 每行自己的块覆盖到哪
+        own = torch.tensor([len(t) * bs for t in tables])                          # (B,) 每行自己的块覆盖到哪
         tail = (key_pos[None, :] >= length[:, None]) & (key_pos[None, :] < own[:, None])   # (B, S)
         tail = tail[:, None, :].expand(B, self.H_kv, S)                            # (B, H_kv, S)
         # 空块从不分给任何请求，正常情况下一直是 0；每次读之前把它的 V 再清零一遍（全部层，一块，几百 KiB），
         # 补齐读到的 V 就一定是 0，不依赖"没人写过它"
         self.pool[:, 1, self.null_block].zero_()
         read_buf = torch.empty(2 * B * self.H_kv * max_blocks, bs * self.D, device=dev, dtype=self.pool.dtype)
-        return PagedForward(self.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
-                            token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev),
-                            read_rows.to(dev), read_buf, tail.flatten().nonzero().squeeze(1).to(dev))
+        return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
+                                 token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
+                                 read_rows.to(dev), read_buf, tail.flatten().nonzero().squeeze(1).to(dev))

@@ -1,39 +1,37 @@
 """一次 decode 前向的对照实验：同样的批大小和上下文，step04（PreallocKVCache，读视图）vs step05（plan + 按块表读池子），
-以及 step05 读池子的几种纯 PyTorch 写法。run.py 的第 5 部分用前两个函数；直接运行本文件比较几种读法：
+以及 step05 读池子的几种纯 PyTorch 写法。chapter.py 的第 5 部分用前两个函数；直接运行本文件比较几种读法：
 
-    python step05_paged/decode_bench.py [--quick] [--contexts 120,500,300,40,700,250,60,380]
+    python step05_paged/analysis/decode_bench.py [--quick] [--contexts 120,500,300,40,700,250,60,380]
 
 缓存里全是 0：一次 decode 前向的耗时与 K/V 的数值无关，所以不用先跑 prefill。每次调用两边都往后走一个位置
 （上下文 +1，像真的在生成），几种写法交替计时、各取中位数，让它们受到同样的机器负载影响。
 """
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
-from common.bench import machine, sync, table, top_level_ops  # noqa: E402
+from common.bench import interleaved_medians, machine, table, top_level_ops  # noqa: E402
 from common.model import attention  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step04_static_batching.engine import forward as static_forward  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.paged_cache import PagedForward, PagedKVCache  # noqa: E402
+from step05_paged.kv_cache import AttentionMetadata, PagedKVCache  # noqa: E402
 from step05_paged.sequence import Sequence  # noqa: E402
 
 MIB = 2**20
 
 
-def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=PagedForward):
+def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=AttentionMetadata):
     """返回 (step04_step, step05_step)：各做一次 decode 前向（step05 含 plan，包在 record_function("plan") 里，
-    返回这一步的 PagedForward，可以看它拷贝了多少字节）。
+    返回这一步的 AttentionMetadata，可以看它拷贝了多少字节）。
     B = len(contexts) 行，第 i 行已缓存 contexts[i] - 1 个 token、这一步算第 contexts[i] 个；最多调用 steps 次。
-    read：step05 读池子用哪个 PagedForward 子类（默认就是 step05 自己的）。"""
+    read：step05 读池子用哪个 AttentionMetadata 子类（默认就是 step05 自己的）。"""
     B, P, dev, dt = len(contexts), max(contexts), s.device, s.dtype
     # step04：一批左填充到最长的上下文，缓存里已有 P - 1 列，新 token 写第 P - 1 列
     cache4 = PreallocKVCache(s.cfg, P + steps, dev, dt, batch_size=B)
@@ -45,9 +43,9 @@ def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=Pa
     cache5 = PagedKVCache(s.cfg, B * max(need), block_size, dev, dt)
     seqs = []
     for i, c in enumerate(contexts):
-        seq = Sequence(Request([0] * c, steps + 1), torch.Generator())
+        seq = Sequence(i, Request([0] * c, steps + 1), torch.Generator(), 0.0)
         seq.block_table = [j * B + i for j in range(need[i])]
-        seq.num_cached_tokens = c - 1
+        seq.num_computed_tokens = c - 1
         seqs.append(seq)
 
     def step04():
@@ -55,38 +53,19 @@ def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=Pa
 
     def step05():
         with record_function("plan"):
-            fwd = as_read(cache5.plan(seqs), read)
-        s.model(fwd.input_ids, fwd.positions, fwd, last_only=True)
+            fwd = as_read(cache5.plan(seqs, [1] * B), read)
+        s.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)
         for seq in seqs:                     # 像引擎一样：这一步的 token 进了缓存，再"生成"一个
-            seq.num_cached_tokens = seq.num_tokens
+            seq.num_computed_tokens = seq.num_tokens
             seq.output_ids.append(0)
         return fwd
 
     return step04, step05
 
 
-def as_read(fwd: PagedForward, read) -> PagedForward:
-    """同一次前向的地址信息，换一种读法（PagedForward 的子类）。"""
-    return fwd if read is PagedForward else read(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})
-
-
-def interleaved_medians(fns: dict, repeats: int, device, cpu: bool = False) -> dict:
-    """每个函数先预热一次，再轮流各跑 repeats 次，返回各自耗时的中位数（秒）。
-    cpu=True 时另返回进程 CPU 时间的中位数：机器上别的进程抢 CPU 时，墙钟会把"排队等 CPU"也算进去，
-    CPU 时间不会（内存带宽被别人占用的影响它也去不掉）。"""
-    for fn in fns.values():
-        fn()
-    wall, proc = {name: [] for name in fns}, {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t, c = time.perf_counter(), time.process_time()
-            fn()
-            sync(device)
-            wall[name].append(time.perf_counter() - t)
-            proc[name].append(time.process_time() - c)
-    med = {name: statistics.median(t) for name, t in wall.items()}
-    return (med, {name: statistics.median(t) for name, t in proc.items()}) if cpu else med
+def as_read(fwd: AttentionMetadata, read) -> AttentionMetadata:
+    """同一次前向的地址信息，换一种读法（AttentionMetadata 的子类）。"""
+    return fwd if read is AttentionMetadata else read(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})
 
 
 CATEGORIES = ["线性层矩阵乘", "注意力（QKᵀ、softmax、PV、掩码）", "KV 写入与读取（写槽、gather、清零）",
@@ -122,14 +101,14 @@ def profile_split(fn, steps: int) -> dict:
     return cats | {"合计（剖析器下）": wall}
 
 
-# ---------------- 读池子的几种写法（都是 PagedForward 的子类，只换读的部分） ----------------
+# ---------------- 读池子的几种写法（都是 AttentionMetadata 的子类，只换读的部分） ----------------
 
-class TwoSelectsFreshAlloc(PagedForward):
+class TwoSelectsFreshAlloc(AttentionMetadata):
     """最初的写法：K、V 各一次 index_select，每层每次都新分配输出；不清零 V。"""
 
     def update(self, layer_idx, k, v):
         self.read_rows, rows = None, self.read_rows
-        PagedForward.update(self, layer_idx, k, v)          # 只借它的写；read_rows=None 时它不读
+        AttentionMetadata.update(self, layer_idx, k, v)          # 只借它的写；read_rows=None 时它不读
         self.read_rows = rows
         B, H_kv, _, D = k.shape
         layer = self.pool[layer_idx]
@@ -140,22 +119,22 @@ class TwoSelectsFreshAlloc(PagedForward):
         return out[0].view(B, H_kv, -1, D), out[1].view(B, H_kv, -1, D)
 
 
-class NoVZeroing(PagedForward):
+class NoVZeroing(AttentionMetadata):
     """现在的写法去掉尾巴的清零：看清零本身花多少（它让毒值进不了输出，见 tests）。"""
 
     def update(self, layer_idx, k, v):
         rows = self.v_tail_rows
         self.v_tail_rows = rows[:0]
-        out = PagedForward.update(self, layer_idx, k, v)
+        out = AttentionMetadata.update(self, layer_idx, k, v)
         self.v_tail_rows = rows
         return out
 
 
-class ZeroAllBeyondLength(PagedForward):
+class ZeroAllBeyondLength(AttentionMetadata):
     """现在的写法，但读回之后逐 token 清零长度之外的全部 V（补齐的空块 + 尾巴），而不是只清尾巴、靠空块本身是 0。"""
 
     def update(self, layer_idx, k, v):
-        k_all, v_all = PagedForward.update(self, layer_idx, k, v)
+        k_all, v_all = AttentionMetadata.update(self, layer_idx, k, v)
         B, H_kv, S, D = v_all.shape
         if layer_idx == 0:                   # 行号每次前向只算一次（像 plan 里那样）
             length = self.positions[:, -1] + 1                                    # (B,)
@@ -165,13 +144,13 @@ class ZeroAllBeyondLength(PagedForward):
         return k_all, v_all
 
 
-class TokenExactGather(PagedForward):
+class TokenExactGather(AttentionMetadata):
     """按 token 取：每行只取到所有行里最长的真实长度（不按整块补齐），用高级索引 pool[块号, :, 偏移]，
     取出来是 (B, S, H_kv, D)，再 transpose 成连续的 (B, H_kv, S, D)——多一次拷贝。"""
 
     def update(self, layer_idx, k, v):
         self.read_rows, rows = None, self.read_rows
-        PagedForward.update(self, layer_idx, k, v)
+        AttentionMetadata.update(self, layer_idx, k, v)
         self.read_rows = rows
         B, H_kv, _, D = k.shape
         layer = self.pool[layer_idx]
@@ -188,14 +167,14 @@ class TokenExactGather(PagedForward):
         return out[0], out[1]
 
 
-class PerRowAttention(PagedForward):
+class PerRowAttention(AttentionMetadata):
     """不补齐：一次 index_select 只拷各行真正拥有的块（K、V 一起），再逐行做注意力，每行只看自己的 S_i 个位置
     （就是 step03 单请求的那次注意力）。省掉补齐的拷贝和补齐部分的注意力，代价是每层一个 B 次的 Python 循环。"""
 
     def attend(self, layer_idx, q, k, v):
         B, H_kv, _, D = k.shape
         self.read_rows, rows = None, self.read_rows
-        PagedForward.update(self, layer_idx, k, v)          # 写
+        AttentionMetadata.update(self, layer_idx, k, v)          # 写
         self.read_rows = rows
         layer = self.pool[layer_idx]
         bs = layer.shape[3]
@@ -216,7 +195,7 @@ class PerRowAttention(PagedForward):
 
 
 READS = {
-    "现在：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": PagedForward,
+    "现在：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": AttentionMetadata,
     "  同上，但读回后逐 token 清零长度之外的全部 V": ZeroAllBeyondLength,
     "  同上，但不清零尾巴": NoVZeroing,
     "最初：K、V 各一次 index_select，每层新分配": TwoSelectsFreshAlloc,
@@ -227,7 +206,7 @@ READS = {
 
 def main():
     from common.cli import open_session
-    from step05_paged.workload import mixed_workload
+    from step05_paged.analysis.workload import mixed_workload
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="--quick 负载的上下文、更少的重复")
     ap.add_argument("--contexts", default=None, help="逗号分隔的上下文长度（默认：负载前 8 个请求的 提示词 + max_new/2）")

@@ -1,6 +1,6 @@
 """KV 量化的实验：真实模型的 K/V 长什么样（离群通道），各种量化粒度让模型差了多少，换出 vs 重算。
 
-    python step08_kv_quant/analyze_kv.py [--quick] [--plot docs/images/08_kv_channel_magnitude.png] [--json]
+    python step08_kv_quant/analysis/analyze_kv.py [--quick] [--plot docs/images/08_kv_channel_magnitude.png] [--json]
         [--skip-quality] [--skip-swap] [--model DIR] [--device ...] [--dtype ...]
 
 1. 手算的例子：一个 3 × 4 的小矩阵，按 token / 按通道的 int8、以及 fp8 e4m3，各自的 scale、码、读回值和误差。
@@ -14,7 +14,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -24,11 +24,11 @@ from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from step02_sampling.sampler import SamplingParams  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import forward, generate  # noqa: E402
-from step08_kv_quant.dense_cache import QuantKVCache  # noqa: E402
-from step08_kv_quant.quality import first_divergence, forced_logits, pool, teacher_forced_quality  # noqa: E402
+from step08_kv_quant.analysis.dense_cache import QuantKVCache  # noqa: E402
+from step08_kv_quant.analysis.quality import first_divergence, forced_logits, pool, teacher_forced_quality  # noqa: E402
 from step08_kv_quant.quant import (QuantScheme, compute_scale, dequantize, fake_quantize,  # noqa: E402
                                    kv_bytes_per_token, quantize)
-from step08_kv_quant.swap_cost import crossover, measure_swap_vs_recompute  # noqa: E402
+from step08_kv_quant.analysis.swap_cost import crossover, measure_swap_vs_recompute  # noqa: E402
 
 BLOCK_SIZE = 16
 NEW_TOKENS = 32          # 质量比较里每段文本生成的 token 数（--quick: QUICK_NEW_TOKENS）

@@ -1,0 +1,368 @@
+"""画第 06–08 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
+
+    python docs/diagrams.py [--out docs/images]
+
+画出的文件（按章节命名）：
+    06_radix_split.png          基数树插入一个分叉的提示词时在边的中间分裂，对照整块匹配
+    06_block_lifecycle.png      前缀缓存里一个块的一生：空闲 → 使用中 → 已缓存 → 可驱逐 → 被驱逐
+    07_varlen_row.png           一步的全部新 token 展平成一行、按段做注意力（cu_seqlens）
+    08_quant_pool_layout.png    量化池子的一块：int8 码与每个 (token, 头) 一个 float32 scale 并排
+    08_swap_path.png            换出式抢占：块拷到第二层、重新接纳时拷回新块号
+    appendix_decode_ladder.png  附录阶梯每一级的 ms/步（数字抄自附录那次完整运行的表）
+中文字体来自 PyPI 包 mplfonts（common/plotting.py）。
+"""
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")   # 不需要显示器
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle  # noqa: E402
+
+from common.plotting import use_chinese_font  # noqa: E402
+
+DPI = 110
+# 颜色：同一种东西在几张图里用同一种颜色
+FREE, USED, CACHED, EVICT = "#d9d9d9", "#9ecae1", "#a1d99b", "#fdae6b"
+DECODE, PREFILL_A, PREFILL_B, POOL = "#6baed6", "#fd8d3c", "#fdd0a2", "#c7e9c0"
+
+# 附录阶梯表里的数字：`python bench/decode_speed.py --json` 完整模式（N = 128，3 轮中位数，2 线程，机器空闲，
+# load avg 0.9 → 1.8）。附录的表换成新一次运行的输出时，这里跟着改，再重画。
+# (行名, ms/步, 其中矩阵乘 ms（None = 没有剖析）, 种类)
+LADDER = [
+    ("0 step03（common/model.py 原样）", 60.5, 39.3, "exact"),
+    ("1 + 融合 QKV、gate/up", 55.6, 33.7, "exact"),
+    ("2 + SDPA 注意力", 51.8, 35.6, "exact"),
+    ("3 + 静态形状（eager）", 58.1, 31.0, "exact"),
+    ("4 + torch.compile（静态形状）", 44.9, 31.2, "exact"),
+    ("× 直接 compile step03", 72.4, None, "exact"),
+    ("int8 权重 + compile（有损）", 117.7, 103.9, "lossy"),
+    ("llama.cpp F32", 22.8, None, "llamacpp"),
+    ("llama.cpp Q8_0（有损）", 10.6, None, "llamacpp"),
+    ("llama.cpp Q4_1（有损）", 10.2, None, "llamacpp"),
+]
+
+
+# ---------- 画框与箭头的小工具 ----------
+
+def blank(ax, xlim=(0, 1), ylim=(0, 1)):
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.axis("off")
+
+
+def box(ax, x, y, w, h, text, color, fontsize=10, round_=False, **kw):
+    """左下角 (x, y)、宽 w、高 h 的框，文字居中。"""
+    if round_:
+        patch = FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.02", facecolor=color,
+                               edgecolor="black", linewidth=1, zorder=3, **kw)
+    else:
+        patch = Rectangle((x, y), w, h, facecolor=color, edgecolor="black", linewidth=1, zorder=3, **kw)
+    ax.add_patch(patch)
+    if text:
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, zorder=4)
+    return patch
+
+
+def arrow(ax, start, end, text="", rad=0.0, color="black", fontsize=9, text_xy=None, ha="center"):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, linewidth=1.3, color=color,
+                                 connectionstyle=f"arc3,rad={rad}", shrinkA=2, shrinkB=2, zorder=5))
+    if text:
+        x, y = text_xy or ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2)
+        ax.text(x, y, text, ha=ha, va="center", fontsize=fontsize,
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.9, pad=1))
+
+
+def token_row(ax, x, y, tokens, w, h, color, fontsize=9):
+    """一排 token 框，从 (x, y) 往右。返回右端的 x。"""
+    for i, t in enumerate(tokens):
+        box(ax, x + i * w, y, w, h, t, color, fontsize=fontsize)
+    return x + len(tokens) * w
+
+
+def node(ax, x, y, label, color="white", r=0.035):
+    ax.add_patch(plt.Circle((x, y), r, facecolor=color, edgecolor="black", linewidth=1.2, zorder=3))
+    ax.text(x, y, label, ha="center", va="center", fontsize=9, zorder=4)
+
+
+def save(fig, out: Path, name: str) -> Path:
+    path = out / name
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})   # 不写 matplotlib 版本：换版本不改文件
+    plt.close(fig)
+    return path
+
+
+# ---------- 第 06 章 ----------
+
+def radix_split(out: Path) -> Path:
+    """第 06 章第 3 节的例子：A = <s> This is the end .，B = <s> This is the end !（块大小 4）。"""
+    common = ["<s>", "This", "is", "the", "end"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 1.25, 1.15]})
+    tw, th = 0.13, 0.07
+
+    ax = axes[0]
+    blank(ax)
+    ax.set_title("① 只有 A：根下一条边存 A 的 6 个 token", fontsize=11)
+    node(ax, 0.5, 0.9, "根")
+    ax.plot([0.5, 0.5], [0.865, 0.2], color="black", linewidth=1.2)
+    token_row(ax, 0.5 - 3 * tw, 0.5, common + ["."], tw, th, USED)
+    node(ax, 0.5, 0.16, "A")
+    ax.text(0.5, 0.04, "节点里存着这 6 个 token 各自的 KV 槽号", ha="center", fontsize=9)
+
+    ax = axes[1]
+    blank(ax)
+    ax.set_title("② 插入 B：匹配停在边的中间（end 之后），把边分裂成两段", fontsize=11)
+    node(ax, 0.5, 0.9, "根")
+    ax.plot([0.5, 0.5], [0.865, 0.56], color="black", linewidth=1.2)
+    token_row(ax, 0.5 - 2.5 * tw * 0.85, 0.69, common, tw * 0.85, th, CACHED)
+    node(ax, 0.5, 0.52, "分叉", color=PREFILL_A)
+    for x_leaf, tok, name, col in ((0.22, ".", "A", USED), (0.78, "!", "B", PREFILL_B)):
+        ax.plot([0.5, x_leaf], [0.485, 0.2], color="black", linewidth=1.2)
+        xm = (0.5 + x_leaf) / 2
+        box(ax, xm - tw * 0.425, 0.3, tw * 0.85, th, tok, col)
+        node(ax, x_leaf, 0.16, name)
+    ax.text(0.5, 0.04, "公共的 5 个 token 只存一份；B 只新存 \"!\" 这 1 个 token", ha="center", fontsize=9)
+    ax.text(0.82, 0.52, "_split：新节点接管\n前 5 个 token", ha="center", va="center", fontsize=9)
+
+    ax = axes[2]
+    blank(ax)
+    ax.set_title("③ 对照：整块匹配（块大小 4）", fontsize=11)
+    bw = 0.11
+    ax.text(0.02, 0.84, "A", fontsize=11, va="center")
+    x = token_row(ax, 0.08, 0.8, common[:4], bw, th, CACHED)
+    ax.text(0.08 + 2 * bw, 0.91, "块 0：写满，登记 key", ha="center", fontsize=9)
+    token_row(ax, x + 0.02, 0.8, ["end", "."], bw, th, USED)
+    ax.text(x + 0.02 + bw, 0.91, "块 1：没写满，不登记", ha="center", fontsize=9)
+    ax.text(0.02, 0.54, "B", fontsize=11, va="center")
+    x = token_row(ax, 0.08, 0.5, common[:4], bw, th, CACHED)
+    token_row(ax, x + 0.02, 0.5, ["end", "!"], bw, th, PREFILL_B)
+    ax.text(0.5, 0.32, "B 的块 0 命中：复用 4 个 token；\"end\" 在没写满的块里，要重算", ha="center", fontsize=9)
+    ax.text(0.5, 0.2, "基数树（②）按 token 匹配：复用 5 个 token", ha="center", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out, "06_radix_split.png")
+
+
+def block_lifecycle(out: Path) -> Path:
+    """step06 的 PrefixCachingBlockAllocator：块在四种状态之间怎么走。"""
+    fig, ax = plt.subplots(figsize=(12, 5.6))
+    blank(ax)
+    w, h = 0.24, 0.17
+    states = {   # 名字: (左下 x, 左下 y, 文字, 颜色)
+        "free": (0.03, 0.42, "空闲\nref = 0，没有 key\n（free_blocks）", FREE),
+        "used": (0.38, 0.76, "使用中\nref ≥ 1，没有 key\n（没写满，或内容重复没登记）", USED),
+        "cached": (0.73, 0.42, "已缓存、有人用\nref ≥ 1，带 key（登记在前缀表里）\n再被命中：acquire，ref + 1", CACHED),
+        "evictable": (0.38, 0.06, "可驱逐\nref = 0，仍带 key\n（evictable，LRU 顺序）", EVICT),
+    }
+    for x, y, text, color in states.values():
+        box(ax, x, y, w, h, text, color, fontsize=10, round_=True)
+
+    def side(name, where):
+        x, y = states[name][:2]
+        return {"top": (x + w / 2, y + h), "bottom": (x + w / 2, y), "left": (x, y + h / 2),
+                "right": (x + w, y + h / 2)}[where]
+
+    arrow(ax, side("free", "top"), side("used", "left"), "allocate\n（分给一个请求）", rad=-0.25,
+          text_xy=(0.16, 0.8))
+    arrow(ax, side("used", "right"), side("cached", "top"), "前向写满这一块：\ncache_block 登记 key", rad=-0.25,
+          text_xy=(0.82, 0.8))
+    arrow(ax, (0.40, 0.76), (0.25, 0.59), "free（ref → 0）：\n没有 key 的块直接回空闲", rad=0.0, text_xy=(0.29, 0.69))
+    arrow(ax, side("cached", "bottom"), side("evictable", "right"), "最后一个持有者 free\n（ref → 0）：内容留着",
+          rad=-0.25, text_xy=(0.83, 0.17))
+    arrow(ax, (0.62, 0.2), (0.76, 0.42), "命中：acquire\n（ref + 1，从队列中间取出）", rad=0.0, text_xy=(0.66, 0.33))
+    arrow(ax, side("evictable", "left"), side("free", "bottom"), "被驱逐：allocate 缺空块时\n取 LRU 最前面的一块，删掉 key",
+          rad=-0.25, text_xy=(0.13, 0.17))
+    ax.text(0.5, 0.55, "num_free = 空闲 + 可驱逐\n（缓存占着的块随时能让出来）", ha="center", va="center", fontsize=9,
+            color="#444444")
+    fig.tight_layout()
+    return save(fig, out, "06_block_lifecycle.png")
+
+
+# ---------- 第 07 章 ----------
+
+def varlen_row(out: Path) -> Path:
+    """第 07 章第 4 节的那一行：3 个 decode、提示词 a 的第 5..8 个 token、提示词 b 的第一块。"""
+    tokens = ["d0", "d1", "d2", "a5", "a6", "a7", "a8", "b0", "b1", "b2"]
+    positions = [37, 12, 90, 5, 6, 7, 8, 0, 1, 2]
+    colors = [DECODE] * 3 + [PREFILL_A] * 4 + [PREFILL_B] * 3
+    fig = plt.figure(figsize=(13, 6.4))
+    top = fig.add_axes([0.02, 0.5, 0.96, 0.48])
+    blank(top)
+    x0, tw, th = 0.06, 0.064, 0.14
+    top.text(0.01, 0.47, "行", fontsize=10, va="center")
+    top.text(0.01, 0.27, "位置", fontsize=10, va="center")
+    for i, (t, p, c) in enumerate(zip(tokens, positions, colors)):
+        box(top, x0 + i * tw, 0.4, tw, th, t, c, fontsize=11)
+        top.text(x0 + (i + 0.5) * tw, 0.27, str(p), ha="center", va="center", fontsize=11)
+    segments = [(0, 3, "decode 段：3 个请求各 1 个 token\n一起按块表读各自的全部 K/V"),
+                (3, 7, "prefill 块 a：已缓存 5 个（位置 0..4，读池子）\n+ 这一步的 4 个新 token"),
+                (7, 10, "prefill 块 b：全新提示词的第一块\n不读池子")]
+    for a, b, text in segments:
+        xa, xb = x0 + a * tw, x0 + b * tw
+        top.plot([xa + 0.004, xa + 0.004, xb - 0.004, xb - 0.004], [0.6, 0.64, 0.64, 0.6], color="black", linewidth=1)
+        top.text((xa + xb) / 2, 0.76, text, ha="center", va="center", fontsize=9)
+    bounds = [0, 1, 2, 3, 7, 10]
+    for k in bounds:
+        top.plot([x0 + k * tw] * 2, [0.13, 0.19], color="black", linewidth=1.2)
+        top.text(x0 + k * tw, 0.07, str(k), ha="center", va="center", fontsize=10)
+    top.text(x0 + 10 * tw + 0.03, 0.1, "cu_seqlens = [0, 1, 2, 3, 7, 10]\n（vLLM 叫 query_start_loc）：第 i 个请求的\n"
+             "query 是这一行的 [cu[i], cu[i+1])", ha="left", va="center", fontsize=9)
+    top.text(x0 + 10 * tw + 0.03, 0.47, "线性层、MLP、RMSNorm、RoPE：\n一行 10 个 token 各算各的，没有填充",
+             ha="left", va="center", fontsize=9)
+
+    # 下面两张：两个 prefill 段各自的掩码（行 = query，列 = key；涂色 = 可以看）
+    for left, (title, q_pos, k_pos, cached) in zip(
+            (0.08, 0.58),
+            (("段 a：4 个 query × 9 个 key（带偏移的因果掩码）", [5, 6, 7, 8], list(range(9)), 5),
+             ("段 b：3 个 query × 3 个 key（普通因果掩码）", [0, 1, 2], [0, 1, 2], 0))):
+        ax = fig.add_axes([left, 0.06, 0.36, 0.36])
+        ax.set_xlim(0, len(k_pos))
+        ax.set_ylim(len(q_pos), 0)
+        for qi, q in enumerate(q_pos):
+            for ki, k in enumerate(k_pos):
+                if k <= q:
+                    color = POOL if k < cached else (PREFILL_A if cached else PREFILL_B)
+                else:
+                    color = "white"
+                ax.add_patch(Rectangle((ki, qi), 1, 1, facecolor=color, edgecolor="#888888", linewidth=0.6))
+        ax.set_xticks([i + 0.5 for i in range(len(k_pos))], [str(k) for k in k_pos])
+        ax.set_yticks([i + 0.5 for i in range(len(q_pos))], [str(q) for q in q_pos])
+        ax.set_xlabel("key 的位置" + ("（绿 = 从池子读回的已缓存前缀）" if cached else ""), fontsize=9)
+        ax.set_ylabel("query 的位置", fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(length=0)
+        ax.set_aspect("equal")
+    return save(fig, out, "07_varlen_row.png")
+
+
+# ---------- 第 08 章 ----------
+
+def quant_pool_layout(out: Path) -> Path:
+    """paged_quant.py 的池子：pool (layers, 2, num_blocks+1, H_kv, block_size, D) 存码，scales 同样按块寻址。"""
+    fig, ax = plt.subplots(figsize=(13, 6.2))
+    blank(ax)
+    ax.text(0.5, 0.96, "pool：(层 30, K/V 2, num_blocks + 1, H_kv 3, block_size 16, D 64) int8 / fp8 码    "
+            "scales：(30, 2, num_blocks + 1, 3, 16, 1) float32",
+            ha="center", va="center", fontsize=10.5)
+    ax.text(0.5, 0.9, "下面是其中一层、K、一块（pool[layer, 0, block] 与 scales[layer, 0, block]）；V 那一半一模一样",
+            ha="center", va="center", fontsize=10, color="#444444")
+    rows, cols = 16, 16                          # 画 16 列代表 D = 64
+    cw, ch, gap, step, y0 = 0.0135, 0.02, 0.012, 0.32, 0.15
+    hi_head, hi_tok = 1, 5                       # 高亮一个 (token, 头)
+    for hd in range(3):
+        x = 0.06 + hd * step
+        ax.text(x + cols * cw / 2, y0 + rows * ch + 0.03, f"头 {hd}", ha="center", fontsize=10)
+        for r in range(rows):
+            hi = (hd, r) == (hi_head, hi_tok)
+            yr = y0 + (rows - 1 - r) * ch
+            for c in range(cols):
+                ax.add_patch(Rectangle((x + c * cw, yr), cw, ch, facecolor=PREFILL_A if hi else USED,
+                                       edgecolor="white", linewidth=0.4))
+            ax.add_patch(Rectangle((x + cols * cw + gap, yr), cw * 1.5, ch, facecolor=PREFILL_A if hi else CACHED,
+                                   edgecolor="white", linewidth=0.4))
+        ax.add_patch(Rectangle((x, y0), cols * cw, rows * ch, fill=False, edgecolor="black", linewidth=1))
+        ax.add_patch(Rectangle((x + cols * cw + gap, y0), cw * 1.5, rows * ch, fill=False, edgecolor="black",
+                               linewidth=1))
+        ax.text(x + cols * cw / 2, y0 - 0.03, "D = 64 个码（各 1 字节）", ha="center", fontsize=9)
+        ax.text(x + cols * cw + gap + cw * 0.75, y0 - 0.03, "scale", ha="center", fontsize=9)
+    ax.text(0.035, y0 + rows * ch / 2, "block_size = 16 个 token", rotation=90, ha="center", va="center",
+            fontsize=9)
+    hx = 0.06 + hi_head * step
+    ax.annotate("token 5 在头 1 的 64 个码共用这一个 scale：\n写入时 s = max|x| / 127，码 = round(x / s)；\n"
+                "读出时 $\\hat{x}$ = 码 × s（fp8：s = max|x| / 448，码是 e4m3）",
+                xy=(hx + cols * cw + gap + cw * 1.5, y0 + (rows - 1 - hi_tok + 0.5) * ch),
+                xytext=(0.5, 0.72), ha="center", va="center", fontsize=9.5,
+                arrowprops=dict(arrowstyle="-|>", color="black"))
+    ax.text(0.5, 0.03, "每 token 字节数 = 2（K、V）× 30 层 × 3 头 × (64 个码 + 4 字节 scale) = 12 240（float32 是 46 080，0.266 倍）",
+            ha="center", va="center", fontsize=10)
+    return save(fig, out, "08_quant_pool_layout.png")
+
+
+def swap_path(out: Path) -> Path:
+    """swap.py 的 SwapSpace 与 scheduler.py 的换出式抢占：一个占 3 块的请求被换出、再换回。"""
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7.4))
+    pool_n, cpu_n, bw, bh = 12, 8, 0.045, 0.12
+
+    def grid(ax, x, y, n, owned, label, color):
+        for b in range(n):
+            box(ax, x + b * bw, y, bw, bh, str(b), color if b in owned else "white", fontsize=9)
+        ax.text(x + n * bw / 2, y + bh + 0.07, label, ha="center", fontsize=10)
+        return {b: (x + (b + 0.5) * bw, y) for b in range(n)}
+
+    ax = axes[0]
+    blank(ax)
+    ax.set_title("① 抢占：swap_out 把请求的块（量化池子：码与 scale 一起）拷到第二层，池子里的块还给分配器", fontsize=11)
+    p = grid(ax, 0.02, 0.55, pool_n, {2, 5, 9}, "池子（GPU 显存；在 CPU 上就是普通内存）", USED)
+    c = grid(ax, 0.62, 0.55, cpu_n, {0, 1, 2}, "第二层 SwapSpace（CPU 内存；池子在 CUDA 上时是锁页内存）", EVICT)
+    for src, dst in zip((2, 5, 9), (0, 1, 2)):
+        arrow(ax, p[src], c[dst], rad=0.25, color="#b35806")
+    ax.text(0.02, 0.2, "抢占前：块表 [2, 5, 9]", fontsize=10)
+    ax.text(0.02, 0.06, "之后：请求进 swapped 队列，swap_handle 记下第二层的块 [0, 1, 2]；第二层装不下时退回重算"
+            "（扔掉块，之后重新 prefill）", fontsize=10)
+
+    ax = axes[1]
+    blank(ax)
+    ax.set_title("② 重新接纳（先于等待队列里的新请求）：池子里另分 3 块，swap_in 拷回，块表换成新块号", fontsize=11)
+    p = grid(ax, 0.02, 0.55, pool_n, {3, 7, 10}, "池子：新分到的块号可以和原来不同", CACHED)
+    c = grid(ax, 0.62, 0.55, cpu_n, {0, 1, 2}, "第二层：拷回之后这 3 块释放", EVICT)
+    for src, dst in zip((0, 1, 2), (3, 7, 10)):
+        arrow(ax, c[src], p[dst], rad=-0.25, color="#1b7837")
+    ax.text(0.02, 0.2, "换回后：块表 [3, 7, 10]；拷贝逐位相同，之后的计算与从未被抢占时一样", fontsize=10)
+    ax.text(0.02, 0.06, "代价：2 次拷贝，字节数 = 块数 × 每块字节；重算的代价是 prefill \"提示词 + 已生成的 token\"",
+            fontsize=10)
+    fig.tight_layout()
+    return save(fig, out, "08_swap_path.png")
+
+
+# ---------- 附录 ----------
+
+def decode_ladder(out: Path) -> Path:
+    """附录的阶梯：每一级一步多少 ms，剖析过的几级拆成"矩阵乘"和"其余开销"。"""
+    fig, ax = plt.subplots(figsize=(11, 5.2))
+    names = [r[0] for r in LADDER][::-1]
+    for i, (name, total, matmul, kind) in enumerate(LADDER[::-1]):
+        if matmul is None:
+            color = {"exact": USED, "llamacpp": CACHED}[kind]
+            ax.barh(i, total, color=color, edgecolor="black", linewidth=0.6)
+        else:
+            ax.barh(i, matmul, color="#4292c6", edgecolor="black", linewidth=0.6)
+            ax.barh(i, total - matmul, left=matmul, color=USED, edgecolor="black", linewidth=0.6)
+        ax.text(total + 1, i, f"{total:.1f}", va="center", fontsize=9)
+    ax.set_yticks(range(len(names)), names, fontsize=9)
+    ax.axvline(22.8, color="#1b7837", linestyle="--", linewidth=1)
+    ax.text(23.5, 0, "llama.cpp F32 一步 22.8 ms", color="#1b7837", fontsize=9, va="center")
+    ax.axvline(31.2, color="#08519c", linestyle=":", linewidth=1)
+    ax.text(32, 1, "第 4 级光矩阵乘（MKL 的 GEMV）就要 31.2 ms", color="#08519c", fontsize=9, va="center")
+    ax.set_title("decode 一步的时间：我们的阶梯与 llama.cpp（同一份权重、同样 2 个线程）", fontsize=11)
+    ax.set_xlabel("decode 一步 (ms)")
+    ax.set_xlim(0, 130)
+    ax.legend(handles=[Patch(facecolor="#4292c6", edgecolor="black", label="其中矩阵乘（torch.profiler）"),
+                       Patch(facecolor=USED, edgecolor="black", label="其余开销（没有剖析的行：整步）"),
+                       Patch(facecolor=CACHED, edgecolor="black", label="llama.cpp（整步）")],
+              loc="lower right", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out, "appendix_decode_ladder.png")
+
+
+DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, decode_ladder)
+
+
+def main(argv=None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "docs/images"), help="PNG 写到哪个目录（默认 docs/images）")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    use_chinese_font()
+    paths = [draw(out) for draw in DIAGRAMS]
+    for p in paths:
+        print(p)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""生成 docs/patches/NN-MM.diff：相邻两步引擎文件的统一 diff（step05 起每一步的引擎是同样的五个文件）。
+
+    python docs/patches/make_patches.py            # 重新生成（make patches）
+    python docs/patches/make_patches.py --check    # 只检查：提交的 diff 与现在的文件夹一致吗（tests/test_patches.py）
+
+diff 就是这一步的课：每个文件里只有这一步的概念带来的改动。一处修正只改了一份拷贝、没改下一步的，
+下一份 diff 里就会多出一段，一眼能看见。这一步新加的文件（例如 step08 的 quant.py）不进 diff，列在开头。
+"""
+import difflib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).resolve().parent
+ENGINE_FILES = ("sequence.py", "block_manager.py", "scheduler.py", "kv_cache.py", "engine.py")
+
+
+def steps() -> list[Path]:
+    """step05 起、有 engine.py 的步骤文件夹，按编号排好。"""
+    return sorted(p.parent for p in ROOT.glob("step*/engine.py") if int(p.parent.name[4:6]) >= 5)
+
+
+def patch(a: Path, b: Path) -> str:
+    new = sorted(p.name for p in b.glob("*.py") if not (a / p.name).exists() and p.name not in ("run.py", "chapter.py"))
+    lines = [f"# {a.name} → {b.name}：引擎文件（{', '.join(ENGINE_FILES)}）的统一 diff，由 docs/patches/make_patches.py 生成\n",
+             f"# 这一步新加的文件：{', '.join(new) if new else '无'}\n"]
+    for name in ENGINE_FILES:
+        old = (a / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        cur = (b / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        lines += difflib.unified_diff(old, cur, f"{a.name}/{name}", f"{b.name}/{name}", n=3)
+    return "".join(lines)
+
+
+def patches() -> dict[Path, str]:
+    s = steps()
+    return {OUT / f"{a.name[4:6]}-{b.name[4:6]}.diff": patch(a, b) for a, b in zip(s, s[1:])}
+
+
+def stat(text: str) -> tuple[int, int]:
+    """(+ 行数, − 行数)，不算文件头。"""
+    body = [line for line in text.splitlines() if not line.startswith(("+++", "---"))]
+    return sum(line.startswith("+") for line in body), sum(line.startswith("-") for line in body)
+
+
+def main() -> int:
+    check = "--check" in sys.argv
+    stale = []
+    for path, text in patches().items():
+        if check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text, encoding="utf-8")
+            add, rm = stat(text)
+            print(f"{path.relative_to(ROOT)}: +{add} −{rm}")
+    if stale:
+        print(f"error: docs/patches out of date ({', '.join(stale)}): run `make patches`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
