@@ -222,7 +222,7 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings, metrics: Optional
 
 async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage):
     """Delta → SSE chunk。chat 每个样本先发一个只有 role 的 chunk（它的第一个输出到来时，与 vLLM 相同）；
-    没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发。"""
+    没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发，除非客户端要了 token id。"""
     extra = {"usage": None} if include_usage else {}
     started = set()
     try:
@@ -230,7 +230,7 @@ async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usag
             if shape.chat and d.index not in started:
                 started.add(d.index)
                 yield P.sse({**shape.role_chunk(d.index), **extra})
-            if d.text or d.finish_reason:
+            if d.text or d.finish_reason or (shape.with_token_ids and d.token_ids):   # 要 token id 时一个也不能少
                 yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))

@@ -25,11 +25,12 @@ FONTS_CONF = """<?xml version="1.0"?>
 
 
 class RecordingEngine(FakeEngine):
-    """记下每个请求的提示词：检查第二轮确实带着第一轮的问答。"""
+    """记下每个请求的提示词：检查第二轮确实带着第一轮的问答。从不因 EOS 结束：第一轮一定还在生成时被"停止"。"""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.prompts = []
+        self.eos_ids = []
 
     def add_request(self, r):
         self.prompts.append(r.prompt_ids)

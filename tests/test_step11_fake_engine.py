@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pytest
 
@@ -35,6 +35,11 @@ class _Seq:
     rng: random.Random
     output_ids: list[int] = field(default_factory=list)
     blocks: int = 0
+
+
+class GenerateOutput(NamedTuple):
+    outputs: list[list[int]]
+    stats: object = None            # 假引擎不记账
 
 
 class FakeBlockManager:
@@ -107,13 +112,13 @@ class FakeEngine:
             time.sleep(self.step_s)
         return outs
 
-    def generate(self, requests) -> list[list[int]]:
+    def generate(self, requests) -> GenerateOutput:
         ids = [self.add_request(r) for r in requests]
         out = {i: [] for i in ids}
         while self.has_unfinished_requests():
             for o in self.step():
                 out[o.request_id] += o.new_token_ids
-        return [out[i] for i in ids]
+        return GenerateOutput([out[i] for i in ids])
 
     # ---- 内部 ----
     def _blocks_for(self, n_tokens: int) -> int:
@@ -167,5 +172,5 @@ def test_fake_engine_keeps_the_step_api(tiny_tok_dir):
     with pytest.raises(UserError):
         e.add_request(Request([1] * 60, 10))      # 放不进 16 块 × 4
     seeded = [Request([8, 9], 6, SamplingParams(temperature=0.8, seed=1), ignore_eos=True)] * 2
-    x, y = FakeEngine(tok).generate(seeded)
+    x, y = FakeEngine(tok).generate(seeded).outputs
     assert x == y and len(x) == 6                 # 同一个种子，同样的 token

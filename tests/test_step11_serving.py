@@ -10,6 +10,7 @@
 服务器跑在进程内（uvicorn 在一个线程里）；引擎是 test_step11_fake_engine.py 的假引擎（可控的步长，测并发与断开）
 或真实的 step05 起的引擎加随机小模型（测逐 token 相等）。
 """
+import argparse
 import asyncio
 import json
 import time
@@ -18,13 +19,16 @@ import httpx
 import openai
 import pytest
 
+from common.cli import open_session
+from common.compare import MARGIN_TOL, compare
 from common.tokenizer import Tokenizer
-from step02_sampling.sampler import SamplingParams
+from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step11_serving import protocol as P
 from step11_serving.api_server import ServerSettings, ServerThread, build_app
 from step11_serving.async_engine import AsyncLLMEngine
 from step11_serving.detokenizer import IncrementalDetokenizer
+from step11_serving.engines import add_engine_args, build_engine
 from step11_serving.metrics import ServerMetrics
 from test_step11_fake_engine import FakeEngine
 
@@ -78,6 +82,19 @@ class Served:
 
 
 @pytest.fixture(scope="module")
+def tiny_session(tiny_tok_dir):
+    """随机小模型 + 真实分词器：给真实引擎用（与 tok 是同一个分词器目录）。"""
+    return open_session(str(tiny_tok_dir), "cpu", "float32")
+
+
+def real_engine(name: str, session, *flags: str):
+    """按服务器同样的路（engines.build_engine，参数从那一步的 EngineConfig 生成）建一个真实引擎。"""
+    p = argparse.ArgumentParser()
+    add_engine_args(p, name)
+    return build_engine(name, session, p.parse_args(["--num-blocks", "256", "--block-size", "4", *flags]))
+
+
+@pytest.fixture(scope="module")
 def fake_server(tok):
     s = Served(FakeEngine(tok, step_s=0.002), tok)
     yield s
@@ -86,7 +103,7 @@ def fake_server(tok):
 
 def reference(tok, engine_factory, requests):
     """同一组请求直接交给一个新的同类引擎：每个请求的 token 与解码出的文本。"""
-    outs = engine_factory().generate(requests)
+    outs = engine_factory().generate(requests).outputs
     return outs, [tok.decode(o) for o in outs]
 
 
@@ -157,6 +174,40 @@ def check_equal_three_ways(server, tok, factory, temperature=0.0):
 def test_fake_engine_stream_equals_full_equals_generate(fake_server, tok):
     check_equal_three_ways(fake_server, tok, lambda: FakeEngine(tok))
     check_equal_three_ways(fake_server, tok, lambda: FakeEngine(tok), temperature=0.9)
+
+
+@pytest.mark.parametrize("name", ["step05", "step08"])
+def test_real_engine_stream_equals_full_equals_generate(name, tiny_session):
+    """同样的检查，引擎换成真实的 step05 / step08（随机小模型）：请求一个一个发，批的组成与参考相同，逐 token 相等。"""
+    server = Served(real_engine(name, tiny_session), tiny_session.tok)
+    try:
+        for temperature in (0.0, 0.9):
+            check_equal_three_ways(server, tiny_session.tok, lambda: real_engine(name, tiny_session), temperature)
+        server.wait_idle()
+        assert server.pool_is_free()
+    finally:
+        server.stop()
+
+
+def test_real_engine_n3_and_token_ids(tiny_session):
+    """n = 3 的带种子样本 == step08 引擎的三个种子；return_token_ids 的 token 就是引擎的 token，文本就是它们的解码。"""
+    s = tiny_session
+    server = Served(real_engine("step08", s), s.tok)
+    try:
+        ids = chat_ids(s.tok, "讲个笑话")
+        p = dict(temperature=0.8, top_p=0.95, top_k=50)
+        refs = real_engine("step08", s).generate([Request(ids, 12, SamplingParams(**p, seed=5 + k)) for k in range(3)]).outputs
+        r = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "讲个笑话"}], n=3,
+                                                    max_tokens=12, temperature=0.8, top_p=0.95, seed=5,
+                                                    extra_body={"top_k": 50, "return_token_ids": True})
+        for k, c in enumerate(sorted(r.choices, key=lambda c: c.index)):
+            cmp = compare(f"n3#{k}", ids, refs[k], c.token_ids, s.full_logits, MARGIN_TOL[s.dtype],
+                          draw_margin(SamplingParams(**p, seed=5 + k)))
+            assert cmp.ok, cmp.describe()
+            assert c.prompt_token_ids == ids and c.message.content == s.tok.decode(c.token_ids)
+        assert r.usage.completion_tokens == sum(map(len, refs))
+    finally:
+        server.stop()
 
 
 def test_n3_seeded_samples_equal_the_engines(fake_server, tok):
@@ -242,47 +293,65 @@ def test_models_health_metrics(fake_server):
 
 # ---------------- 并发、断开、加入正在跑的批 ----------------
 
-def test_32_concurrent_streams_quarter_disconnect(tok):
-    server = Served(FakeEngine(tok, step_s=0.002, max_batch_size=8, num_blocks=200), tok)
+@pytest.mark.parametrize("kind", ["fake", "step08"])
+def test_32_concurrent_streams_quarter_disconnect(kind, tok, tiny_session):
+    """32 个流式客户端同时来，8 个读到第 3 个 chunk 就关连接。其余 24 个的 token 与引擎直接生成的相同（真实引擎：
+    批的组成不同，按 near-tie 规则比较），之后池子全空、/metrics 显示 0 个在跑。"""
+    s = tiny_session
+    if kind == "fake":
+        make = lambda: FakeEngine(tok, step_s=0.002, max_batch_size=8, num_blocks=200)   # noqa: E731
+    else:
+        make = lambda: real_engine("step08", s, "--max-batch-size", "8")                 # noqa: E731
+    server = Served(make(), tok)
     try:
         prompts = [f"第 {i} 个问题：{'长城' * (i % 5)}" for i in range(32)]
-        reqs = [Request(chat_ids(tok, p), 30, SamplingParams(temperature=0.7, seed=i), ignore_eos=True)
+        n_new = 40 if kind == "fake" else 24
+        reqs = [Request(chat_ids(tok, p), n_new, SamplingParams(temperature=0.7, seed=i), ignore_eos=True)
                 for i, p in enumerate(prompts)]
-        _, ref_texts = reference(tok, lambda: FakeEngine(tok), reqs)
+        ref_ids, _ = reference(tok, make, reqs)
         leave = set(range(0, 32, 4))                       # 8 个客户端读到第 3 个 chunk 就断开
         generated_before = server.metric("llm_generation_tokens_total")
 
         async def one(client, i):
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=30, temperature=0.7,
-                seed=i, stream=True, extra_body={"ignore_eos": True})
-            text, n = "", 0
+                model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=n_new, temperature=0.7,
+                seed=i, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+            ids, text, n = [], "", 0
             async for c in stream:
                 n += 1
+                ids += getattr(c.choices[0], "token_ids", None) or []    # 只有 role 的第一个 chunk 没有
                 text += c.choices[0].delta.content or ""
                 if i in leave and n == 3:
                     await stream.close()                   # 关掉连接：服务器要发现并取消它
                     return None
-            return text
+            return ids, text
 
         async def main():
             async with server.async_client() as client:
-                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 60)
+                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 120)
 
         results = asyncio.run(main())
-        for i, text in enumerate(results):
-            assert (text is None) == (i in leave)
-            if text is not None:
-                assert text == ref_texts[i], i
+        for i, res in enumerate(results):
+            assert (res is None) == (i in leave)
+            if res is not None:
+                ids, text = res
+                assert text == tok.decode(ids)
+                if kind == "fake":
+                    assert ids == ref_ids[i], i
+                else:
+                    c = compare(f"#{i}", reqs[i].prompt_ids, ref_ids[i], ids, s.full_logits, MARGIN_TOL[s.dtype],
+                                draw_margin(reqs[i].params))
+                    assert c.ok, c.describe()
         server.wait_idle()
         assert server.pool_is_free()
         assert server.metric("llm_num_requests_running") == 0 and server.metric("llm_kv_blocks_used") == 0
         assert server.metric("llm_num_requests_waiting") == 0
-        assert server.metric('llm_requests_total{finish_reason="abort"}') == len(leave)
-        assert server.metric('llm_requests_total{finish_reason="length"}') == 32 - len(leave)
-        # 断开的请求确实提前停了：一共生成的 token 比 32 个都生成完少
-        assert server.metric("llm_generation_tokens_total") - generated_before < 32 * 30
-        assert server.engine.peak_running == 8              # 批是满的：连续批处理真的在工作
+        aborted = server.metric('llm_requests_total{finish_reason="abort"}')
+        assert aborted + server.metric('llm_requests_total{finish_reason="length"}') == 32
+        # 断开的请求确实提前停了（假引擎每步 2 ms，一定来得及；真实小模型的一步更快，至少要有取消发生）
+        assert aborted == len(leave) if kind == "fake" else aborted >= 1
+        assert server.metric("llm_generation_tokens_total") - generated_before < 32 * n_new
+        assert server.aengine.peak_running == 8             # 批是满的：连续批处理真的在工作
     finally:
         server.stop()
 
@@ -348,14 +417,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(fake_server
         ("/v1/nope", comp, 404),
     ]
     assert len(cases) >= 30
+    http = httpx.Client(base_url=url)
     for path, body, status in cases:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-        r = httpx.post(url + path, headers={"content-type": "application/json"}, **kw)
+        r = http.post(path, headers={"content-type": "application/json"}, **kw)
         assert r.status_code == status, (path, body, r.status_code, r.text)
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"] and err["code"] == status and err["type"], err
         assert "Traceback" not in r.text
-    r = httpx.get(url + C)
+    r = http.get(C)
+    http.close()
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
     # 坏请求一个也没进引擎，服务器照常服务
     ok = fake_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
