@@ -34,7 +34,6 @@ from common.errors import UserError
 
 from . import protocol as P
 from .async_engine import AsyncLLMEngine, EngineUnavailable, RequestHandle, ServerBusy
-from .metrics import ServerMetrics
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("step11_serving")
@@ -72,8 +71,8 @@ class AbortOnExitStreamingResponse(StreamingResponse):
             self.handle.abort()
 
 
-def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings, metrics: Optional[ServerMetrics] = None) -> FastAPI:
-    metrics = metrics or aengine.metrics or ServerMetrics()
+def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
+    metrics = aengine.metrics
     started = int(time.time())
 
     @asynccontextmanager
@@ -319,9 +318,8 @@ class ServerThread:
 @contextmanager
 def serve_in_thread(session, engine, block_size: int, max_waiting: int = 64, **settings):
     """把一个引擎挂到本机一个空闲端口上（run.py、chapter.py 用）：yield 跑着的 ServerThread，退出时优雅关闭。"""
-    metrics = ServerMetrics()
-    aengine = AsyncLLMEngine(engine, session.tok, max_waiting, metrics)
-    app = build_app(aengine, session.tok, settings_for(session, engine, block_size, **settings), metrics)
+    aengine = AsyncLLMEngine(engine, session.tok, max_waiting)
+    app = build_app(aengine, session.tok, settings_for(session, engine, block_size, **settings))
     server = ServerThread(app).start()
     try:
         yield server
@@ -362,10 +360,9 @@ def main(argv=None) -> None:
     except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
-    metrics = ServerMetrics()
-    aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting, metrics)
+    aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
     settings = settings_for(session, engine, args.block_size, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-    app = build_app(aengine, session.tok, settings, metrics)
+    app = build_app(aengine, session.tok, settings)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
           f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)

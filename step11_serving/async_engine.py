@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .metrics import ServerMetrics
 
 log = logging.getLogger("step11_serving")
 
@@ -79,8 +80,9 @@ class RequestHandle:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine, tokenizer, max_waiting: int = 64, metrics=None):
-        self.engine, self.tokenizer, self.max_waiting, self.metrics = engine, tokenizer, max_waiting, metrics
+    def __init__(self, engine, tokenizer, max_waiting: int = 64):
+        self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.metrics = ServerMetrics()           # /metrics 读它；状态快照与每个请求的计时都在这个循环里记
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._pending: list[RequestHandle] = []          # 等着在下一个间隙加进引擎
         self._aborts: list[int] = []                     # 等着在下一个间隙取消的引擎请求 id
@@ -217,16 +219,14 @@ class AsyncLLMEngine:
     def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
         h.finish_reasons[i] = reason
         h.queue.put_nowait(Delta(i, text, list(token_ids), reason))
-        if self.metrics is not None:
-            self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
-                                          len(h.token_ids[i]), h.arrival, h.first_token[i], now)
+        self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
+                                      len(h.token_ids[i]), h.arrival, h.first_token[i], now)
 
     def _snapshot(self) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager
         self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
         self.peak_running = max(self.peak_running, self.num_running)
-        if self.metrics is not None:
-            self.metrics.snapshot(self.num_running, self.num_queued(), bm.num_blocks, bm.num_free_blocks)
+        self.metrics.snapshot(self.num_running, self.num_queued(), bm.num_blocks, bm.num_free_blocks)
 
     def _fail(self, e: BaseException) -> None:
         log.error("engine step failed; every request in flight gets an error", exc_info=e)

@@ -29,7 +29,6 @@ from step11_serving.api_server import ServerSettings, ServerThread, build_app
 from step11_serving.async_engine import AsyncLLMEngine
 from step11_serving.detokenizer import IncrementalDetokenizer
 from step11_serving.engines import add_engine_args, build_engine
-from step11_serving.metrics import ServerMetrics
 from test_step11_fake_engine import FakeEngine
 
 MODEL = "tiny"
@@ -45,11 +44,10 @@ class Served:
 
     def __init__(self, engine, tok, block_size=4, context_len=2048, shutdown_timeout=5.0, **kw):
         self.engine = engine
-        self.metrics = ServerMetrics()
-        self.aengine = AsyncLLMEngine(engine, tok, kw.pop("max_waiting", 64), self.metrics)
-        settings = ServerSettings(MODEL, context_len, tok.hf.vocab_size if hasattr(tok.hf, "vocab_size") else 49152,
+        self.aengine = AsyncLLMEngine(engine, tok, kw.pop("max_waiting", 64))
+        settings = ServerSettings(MODEL, context_len, tok.hf.vocab_size,
                                   engine.block_manager.num_blocks * block_size, **kw)
-        self.app = build_app(self.aengine, tok, settings, self.metrics)
+        self.app = build_app(self.aengine, tok, settings)
         self.thread = ServerThread(self.app, shutdown_timeout=shutdown_timeout).start()
         self.url = self.thread.url
 
