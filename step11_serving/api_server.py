@@ -364,6 +364,8 @@ def main(argv=None) -> None:
     settings = settings_for(session, engine, args.block_size, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     app = build_app(aengine, session.tok, settings)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model", args.host)
     print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
           f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
     uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])

@@ -540,3 +540,24 @@ def test_engine_failure_reaches_every_client(tok):
         assert r.status_code == 503
     finally:
         server.stop()
+
+
+# ---------------- 引擎登记表 ----------------
+
+@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08"])
+def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
+    """--engine stepNN 的参数就是那一步 EngineConfig 的字段（默认值取自 EngineConfig）；num_blocks 不给时按那一步的预算换算。"""
+    import dataclasses
+
+    from step11_serving.engines import ENGINES, engine_module
+    assert name in ENGINES
+    mod = engine_module(name)
+    p = argparse.ArgumentParser()
+    add_engine_args(p, name)
+    e = build_engine(name, tiny_session, p.parse_args(["--max-batch-size", "3"]))
+    fields = {f.name for f in dataclasses.fields(mod.EngineConfig)}
+    assert e.config.max_batch_size == 3 and e.config.num_blocks > 0
+    assert all(getattr(e.config, f) == getattr(mod.EngineConfig(num_blocks=1), f)
+               for f in fields - {"num_blocks", "max_batch_size"})
+    if "enable_prefix_caching" in fields:                 # 与 run.py 同名：--no-prefix-cache
+        assert build_engine(name, tiny_session, p.parse_args(["--no-prefix-cache"])).config.enable_prefix_caching is False
