@@ -70,6 +70,8 @@ def add_paged_args(p: Parser, default_kv_mib: int) -> None:
     g.add_argument("--num-blocks", type=positive_int, default=None,
                    help=f"池子的块数；默认按 {default_kv_mib} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）")
     g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
+    g.add_argument("--attention", choices=("paged", "gather"), default="paged",
+                   help="读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）")
 
 
 @dataclass

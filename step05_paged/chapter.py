@@ -2,7 +2,8 @@
 
 同一负载跑两次（默认池子；逼出抢占的小池子，贪心与带种子的采样混跑），逐请求与 step03 单独生成比较；
 再在同一负载上与 step04 静态批处理（它自己的引擎、自己的记账）比吞吐、TTFT/TPOT、KV 浪费、同样 KV 预算下的并发数；
-最后量一次 decode 前向：同样的批大小和上下文，step05 比 step04 多花的时间花在哪（gather 拷贝、plan()、注意力）。
+量一次 decode 前向：同样的批大小和上下文，step05 的两种读法（gather：先拷成连续的；paged：按块表直接读池子）
+比 step04 多花 / 少花的时间花在哪；最后是上下文长度与批大小的扫描（--plot 存图）和"前缀已在池子里、再算一块"的前向。
 """
 import statistics
 import time
@@ -21,6 +22,7 @@ from step05_paged.analysis.decode_bench import KV_IO, PLAN, decode_step_fns, pro
 from step05_paged.analysis.workload import mixed_workload, preemption_workload
 from step05_paged.engine import EngineConfig, LLMEngine, blocks_needed, num_blocks_for_budget
 from step05_paged.kv_cache import PagedKVCache
+from step05_paged.paged_attention import resolve_impl
 
 STEP = "step05_paged"
 MIB = 2**20
@@ -72,8 +74,8 @@ def chapter(args, s: cli.Session) -> bool:
 
     checks, runs = Checks(), []
 
-    def engine(num_blocks, max_batch_size=B):
-        return LLMEngine(s.model, EngineConfig(num_blocks, bs, max_batch_size), s.tok, eos)
+    def engine(num_blocks, max_batch_size=B, attention=args.attention):
+        return LLMEngine(s.model, EngineConfig(num_blocks, bs, max_batch_size, attention=attention), s.tok, eos)
 
     def run_and_check(name, eng, reqs, refs):
         outs, st = eng.generate(reqs)
@@ -98,29 +100,39 @@ def chapter(args, s: cli.Session) -> bool:
     checks.note(f"小池子共抢占 {st_small.preemptions} 次，被抢占过的请求：贪心 {hit.count(False)} 个、"
                  f"带种子采样 {hit.count(True)} 个")
 
-    # 3) 默认池子、全部贪心：既是正确性检查，也是 step05 的计时；ReadLedger 按块表独立算 gather 该拷多少
-    stage(f"[3/5] step05：默认池子 {default_blocks} 块，批上限 {B} ...")
-    default = engine(default_blocks)
-    ledger = ReadLedger(default, kvb)
-    res, st_paged, free_default = run_and_check("default_pool", default, requests, ref)
+    # 3) 默认池子、全部贪心：既是正确性检查，也是 step05 的计时。同一负载再用 gather 读法跑一次：
+    #    ReadLedger 按块表独立算 gather 该拷多少，与缓存自己的计数器对账；两种读法的 token 逐个相同
+    impl = resolve_impl("auto", s.device, s.dtype)
+    stage(f"[3/5] step05：默认池子 {default_blocks} 块，批上限 {B}；--attention {args.attention}"
+          f"（paged 在这台机器上的实现：{impl}），再用 gather 读法跑一次 ...")
+    res, st_paged, free_default = run_and_check("default_pool", engine(default_blocks), requests, ref)
+    gather_engine = engine(default_blocks, attention="gather")
+    ledger = ReadLedger(gather_engine, kvb)
+    out_gather, st_gather = gather_engine.generate(requests)
     checks["greedy_default_pool_equals_step03"] = all(c.ok for c in res)
-    checks["all_blocks_free_after_each_run"] = free_small and free_default
+    checks["gather_equals_paged"] = out_gather == engine(default_blocks).generate(requests).outputs
+    checks["all_blocks_free_after_each_run"] = free_small and free_default and pool_is_free(gather_engine)
     checks["workload_has_eos_endings"] = any(o[-1] in eos for o in ref)
-    decode_gather = sum(st.gather_bytes for st in st_paged.steps if not st.prefill)
-    checks["prefill_gathers_nothing"] = all(st.gather_bytes == 0 for st in st_paged.steps if st.prefill)
+    decode_gather = sum(st.gather_bytes for st in st_gather.steps if not st.prefill)
+    checks["prefill_gathers_nothing"] = all(st.gather_bytes == 0 for st in st_gather.steps if st.prefill)
     checks["decode_gather_bytes_match_formula"] = decode_gather == ledger.decode_formula
+    # paged 读法在拷贝发生的地方计数（AttentionMetadata.gather_bytes）；编不出内核、退回 gather 时拷贝发生在
+    # paged_attention_gather 里，按块表公式照实报
+    paged_copied = (sum(st.gather_bytes for st in st_paged.steps if not st.prefill) if impl == "cpp"
+                    else ledger.decode_formula)
     print(table(["运行", "块数", "批上限", "前向次数", "抢占次数", "峰值并发", "与 step03 完全相同"], runs))
 
     # 4) 基准：同一负载、同样的批上限，step04 静态批处理（它自己的引擎和记账）vs step05（上面默认池子那次
     #    运行就是 step05 的第一轮）。完整模式再交替各跑两轮，每个引擎取总时间居中的一轮（TTFT/TPOT 也取自这一轮）
     repeats = 1 if args.quick else 3
     stage(f"[4/5] step04 静态批处理，批上限 {B}" + ("" if repeats == 1 else f"；再交替各跑 {repeats - 1} 轮") + " ...")
-    static_runs, paged_runs = [generate_batch(s.model, requests, B, eos).stats], [st_paged]
+    static_runs, paged_runs, gather_runs = [generate_batch(s.model, requests, B, eos).stats], [st_paged], [st_gather]
     for _ in range(repeats - 1):
         paged_runs.append(engine(default_blocks).generate(requests).stats)
         static_runs.append(generate_batch(s.model, requests, B, eos).stats)
-    st_paged = sorted(paged_runs, key=lambda st: st.wall_s)[len(paged_runs) // 2]
-    st_static = sorted(static_runs, key=lambda st: st.wall_s)[len(static_runs) // 2]
+        gather_runs.append(engine(default_blocks, attention="gather").generate(requests).stats)
+    st_paged, st_static, st_gather = (sorted(r, key=lambda st: st.wall_s)[len(r) // 2]
+                                      for r in (paged_runs, static_runs, gather_runs))
     tokens = st_static.generated_tokens   # 三个引擎的输出逐 token 相同，生成的 token 数也相同
 
     def row(name, st, peak):
@@ -136,7 +148,8 @@ def chapter(args, s: cli.Session) -> bool:
                  "TPOT p90 (ms)", "TPOT p50 去掉干等 (ms)", "KV 浪费", "峰值并发"], [
         ["step03 逐个单独", f"{sequential_s:.1f}", f"{tokens / sequential_s:.1f}", "-", "-", "-", "-", "-", "-", 1],
         row("step04 静态批", st_static, B),
-        row("step05 分页+连续批", st_paged, st_paged.peak_running)]))
+        row(f"step05 分页+连续批（{args.attention}）", st_paged, st_paged.peak_running),
+        row("step05 分页+连续批（gather）", st_gather, st_gather.peak_running)]))
     print("KV 浪费 = 1 − Σ 存着真实 token 的槽 ÷ Σ 持有的槽（每次前向之后各采样一次，两个引擎同一段代码算）；"
           "干等 = 已经在 decode 的请求等别人 prefill 的时间。")
 
@@ -153,10 +166,11 @@ def chapter(args, s: cli.Session) -> bool:
     print(f"\n每一步（同上面那一轮；decode 步的耗时包括采样）：")
     print(table(["引擎", "decode 步数", "每步在生成的行 / 算的行", "decode 步 p50 (ms)", "prefill 步数",
                  "prefill 步 p50 (ms)", "干等合计 (请求·s)", "干等占 decode 时间"],
-                [decode_row("step04 静态批", st_static), decode_row("step05 分页+连续批", st_paged)]))
+                [decode_row("step04 静态批", st_static), decode_row(f"step05（{args.attention}）", st_paged),
+                 decode_row("step05（gather）", st_gather)]))
 
     # 读 KV 时拷贝的字节：step03 的两种缓存（公式）与 step05 的 gather（缓存里的计数器，ReadLedger 按块表对账）
-    n_dec = st_paged.decode_steps
+    n_dec = st_gather.decode_steps
     weights = sum(m.weight.nbytes for m in s.model.modules() if isinstance(m, Linear))
     print(f"\n读 KV 时每个 decode 步拷贝的字节（上面 step05 默认池子那次运行，{n_dec} 个 decode 步的平均；"
           f"每 token 的 K/V {kvb} 字节，全部 {s.cfg.num_layers} 层的 K 和 V）：")
@@ -166,13 +180,16 @@ def chapter(args, s: cli.Session) -> bool:
         ["step05 按块表 gather（计数器）", f"{decode_gather / n_dec / MIB:.1f}", f"B × max_blocks × {bs} × {kvb}"],
         ["  其中补齐到最长块表的空块", f"{(ledger.decode_formula - ledger.decode_real) / n_dec / MIB:.1f}",
          f"Σ_行 (max_blocks − 块数_i) × {bs} × {kvb}"],
+        [f"step05 paged（{impl}）", f"{paged_copied / n_dec / MIB:.1f}",
+         "注意力直接按块表读池子" if impl == "cpp" else "编不出内核：退回 gather"],
         ["对照：每步读一遍线性层权重", f"{weights / MIB:.0f}", ""]]))
     print(f"全部 decode 步的 gather 共拷贝 {decode_gather / 2**30:.2f} GiB；prefill 步拷贝 0（全新的 prefill 只看自己的 K/V）。")
 
-    # 5) 同样的批大小和上下文，一次 decode 前向：step04（读视图）vs step05（plan + gather）
-    stage("\n[5/5] 一次 decode 前向：step04 vs step05，同样的批大小和上下文 ...")
+    # 5) 同样的批大小和上下文，一次 decode 前向：step04（读视图）vs step05（gather / paged）；再扫上下文和批大小
+    stage("\n[5/5] 一次 decode 前向：step04 vs step05 的两种读法，同样的批大小和上下文 ...")
     contexts = [len(r.prompt_ids) + r.max_new_tokens // 2 for r in requests[:B]]
     figures_step = decode_step_comparison(args, s, contexts, bs)
+    figures_step |= scaling(args, s, bs)
 
     # 同样的 KV 预算（小池子的槽数）下最多几个请求同时在跑：step04 按同一个预算切批 vs 分页实测
     budget = small_blocks * bs
@@ -187,6 +204,9 @@ def chapter(args, s: cli.Session) -> bool:
         "preemptions": st_small.preemptions,
         "peak_concurrency_ratio_vs_static": round(st_small.peak_running / peak4, 3),
         "decode_gather_bytes_per_step": round(decode_gather / n_dec),
+        "paged_decode_gather_bytes_per_step": round(paged_copied / n_dec),
+        "gather_tok_per_s": round(st_gather.tokens_per_s, 3),
+        "paged_throughput_ratio_vs_gather": round(st_paged.tokens_per_s / st_gather.tokens_per_s, 3),
         **figures_step,
         "static_kv_waste": round(st_static.kv_waste, 4),
         "tok_per_s": round(st_paged.tokens_per_s, 3),
@@ -216,26 +236,98 @@ def chapter(args, s: cli.Session) -> bool:
 
 @torch.inference_mode()
 def decode_step_comparison(args, s: cli.Session, contexts: list[int], bs: int) -> dict:
-    """B 行、各自上下文 contexts 的一次 decode 前向：step04（PreallocKVCache + 左填充掩码，读视图）与
-    step05（plan + 按块表 gather）。交替计时取中位数；再各用 torch.profiler 剖析几步，按类别分开（decode_bench.py）。"""
+    """B 行、各自上下文 contexts 的一次 decode 前向：step04（PreallocKVCache + 左填充掩码，读视图）与 step05 的
+    gather（plan + 按块表拷贝）、paged（plan + 按块表直接读）。交替计时取中位数；再各用 torch.profiler 剖析几步，
+    按类别分开（analysis/decode_bench.py）。"""
     repeats, profiled = (5, 2) if args.quick else (15, 4)
-    step04, step05 = decode_step_fns(s, contexts, bs, steps=repeats + profiled + 2)
-    med, cpu = interleaved_medians({"step04": step04, "step05": step05}, repeats, s.device, cpu=True)
-    m4, m5 = med["step04"], med["step05"]
-    p4, p5 = profile_split(step04, profiled), profile_split(step05, profiled)
+    steps = repeats + profiled + 2
+    step04, gather = decode_step_fns(s, contexts, bs, steps, "gather")
+    paged = decode_step_fns(s, contexts, bs, steps, "paged")[1]
+    fns = {"step04": step04, "gather": gather, "paged": paged}
+    med, cpu = interleaved_medians(fns, repeats, s.device, cpu=True)
+    prof = {name: profile_split(fn, profiled) for name, fn in fns.items()}
     max_blocks = max(-(-c // bs) for c in contexts)
     print(f"B = {len(contexts)}，上下文 {contexts}（负载前 {len(contexts)} 个请求的 提示词 + max_new_tokens/2；"
           f"step04 左填充到 {max(contexts)}，step05 补齐到 {max_blocks} 块）；交替各跑 {repeats} 次取中位数：")
-    print(f"  step04 {m4 * 1e3:.1f} ms，step05 {m5 * 1e3:.1f} ms，step05 ÷ step04 = {m5 / m4:.2f}"
-          f"（进程 CPU 时间：{cpu['step04'] * 1e3:.1f} 对 {cpu['step05'] * 1e3:.1f} ms，"
-          f"{cpu['step05'] / cpu['step04']:.2f}；机器忙时它比墙钟稳）")
+    print(table(["", "一次 decode 前向 (ms)", "÷ step04", "进程 CPU 时间 (ms)", "÷ step04"],
+                [[name, f"{med[name] * 1e3:.1f}", f"{med[name] / med['step04']:.2f}", f"{cpu[name] * 1e3:.1f}",
+                  f"{cpu[name] / cpu['step04']:.2f}"] for name in fns]))
     print(f"torch.profiler 剖析（各 {profiled} 步的平均，ms；剖析器本身让每个算子慢一点，看差值和比例）：")
-    print(table(["类别", "step04", "step05", "差"],
-                [[k, f"{p4[k] * 1e3:.1f}", f"{p5[k] * 1e3:.1f}", f"{(p5[k] - p4[k]) * 1e3:+.1f}"] for k in p4]))
-    gather = p5[KV_IO] - p4[KV_IO]
+    print(table(["类别", "step04", "gather", "paged", "gather − step04", "paged − step04"],
+                [[k] + [f"{prof[n][k] * 1e3:.1f}" for n in fns] +
+                 [f"{(prof[n][k] - prof['step04'][k]) * 1e3:+.1f}" for n in ("gather", "paged")] for k in prof["step04"]]))
+    copy_ms = prof["gather"][KV_IO] - prof["step04"][KV_IO]
     copied = len(contexts) * max_blocks * bs * s.cfg.kv_bytes_per_token(s.dtype.itemsize)
-    print(f"step05 每步 gather 拷贝 {copied / MIB:.1f} MiB（B × max_blocks × {bs} × 每 token 字节）；"
-          f"KV 读写一类多出的 {gather * 1e3:.1f} ms 主要是 gather 和 V 清零；plan() {p5[PLAN] * 1e3:.1f} ms。")
-    return {"decode_step_ms_ratio_vs_static": round(m5 / m4, 3), "decode_step_ms": round(m5 * 1e3, 2),
-            "static_decode_step_ms": round(m4 * 1e3, 2), "decode_step_gather_ms": round(gather * 1e3, 2),
-            "decode_step_plan_ms": round(p5[PLAN] * 1e3, 2)}
+    print(f"gather 每步拷贝 {copied / MIB:.1f} MiB（B × max_blocks × {bs} × 每 token 字节）；KV 读写一类多出的 "
+          f"{copy_ms * 1e3:.1f} ms 主要是这次拷贝和 V 清零；paged 不拷贝，注意力在内核里按块表读池子。")
+    return {"decode_step_ms_ratio_vs_static": round(med["gather"] / med["step04"], 3),
+            "paged_decode_step_ms_ratio_vs_static": round(med["paged"] / med["step04"], 3),
+            "paged_decode_step_ms_ratio_vs_gather": round(med["paged"] / med["gather"], 3),
+            "decode_step_ms": round(med["gather"] * 1e3, 2), "paged_decode_step_ms": round(med["paged"] * 1e3, 2),
+            "static_decode_step_ms": round(med["step04"] * 1e3, 2), "decode_step_gather_ms": round(copy_ms * 1e3, 2),
+            "decode_step_plan_ms": round(prof["gather"][PLAN] * 1e3, 2),
+            "paged_decode_step_plan_ms": round(prof["paged"][PLAN] * 1e3, 2)}
+
+
+@torch.inference_mode()
+def scaling(args, s: cli.Session, bs: int) -> dict:
+    """一次前向随上下文长度和批大小怎么变：step04（连续缓存，读视图）、gather、paged，同样的批、同样的上下文；
+    再量"前缀已在池子里、这一步算一块"（step06 的前缀命中、step07 的分块 prefill 都是它）的前向。"""
+    contexts = [256, 1024] if args.quick else [256, 512, 1024, 2048, 4096]
+    batches = [1, 8] if args.quick else [1, 4, 8]
+    chunks = [(1024, 256)] if args.quick else [(1024, 64), (1024, 256), (2048, 256)]
+    repeats = 2 if args.quick else 5
+    rows, points = [], {}
+    print(f"\n一次前向随上下文与批大小（每行上下文相同；交替各跑 {repeats} 次取中位数）：")
+    for B in batches:
+        for ctx in contexts:
+            ctxs = [ctx] * B
+            step04, gather = decode_step_fns(s, ctxs, bs, repeats + 2, "gather")
+            paged = decode_step_fns(s, ctxs, bs, repeats + 2, "paged")[1]
+            med = interleaved_medians({"step04": step04, "gather": gather, "paged": paged}, repeats, s.device)
+            points[(B, ctx)] = med
+            rows.append([B, ctx, f"{med['step04'] * 1e3:.1f}", f"{med['gather'] * 1e3:.1f}", f"{med['paged'] * 1e3:.1f}",
+                         f"{med['gather'] / med['step04']:.2f}", f"{med['paged'] / med['step04']:.2f}"])
+            del step04, gather, paged
+    print(table(["批", "上下文", "step04 (ms)", "gather (ms)", "paged (ms)", "gather ÷ step04", "paged ÷ step04"], rows))
+    crow = []
+    for ctx, L in chunks:                      # 一个请求：前 ctx − L 个 token 已在池子里，这一步算 L 个
+        step04, gather = decode_step_fns(s, [ctx], bs, repeats + 2, "gather", query_len=L)
+        paged = decode_step_fns(s, [ctx], bs, repeats + 2, "paged", query_len=L)[1]
+        med = interleaved_medians({"step04": step04, "gather": gather, "paged": paged}, repeats, s.device)
+        crow.append([ctx, L, f"{med['step04'] * 1e3:.1f}", f"{med['gather'] * 1e3:.1f}", f"{med['paged'] * 1e3:.1f}",
+                     f"{med['paged'] / med['gather']:.2f}"])
+    print("前缀已在池子里、这一步算一块（1 个请求；上下文 = 前缀 + 这一块）：")
+    print(table(["上下文", "这一块 (token)", "step04 (ms)", "gather (ms)", "paged (ms)", "paged ÷ gather"], crow))
+    if args.plot:
+        plot_scaling(args.plot, points, batches, contexts)
+        print(f"图已存到 {args.plot}")
+    longest = points[(max(batches), max(contexts))]
+    return {"paged_decode_step_ms_ratio_vs_static_longest": round(longest["paged"] / longest["step04"], 3),
+            "gather_decode_step_ms_ratio_vs_static_longest": round(longest["gather"] / longest["step04"], 3),
+            "paged_chunk_step_ms_ratio_vs_gather": round(med["paged"] / med["gather"], 3)}   # 最后一种块
+
+
+def plot_scaling(path, points: dict, batches: list[int], contexts: list[int]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common.plotting import use_chinese_font
+    use_chinese_font()
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), sharey=False)
+    for ax, B in zip(axes, batches):
+        for name, label, style in (("step04", "step04：连续缓存（读视图）", "s--"),
+                                   ("gather", "step05 gather：先按块表拷成连续的", "o-"),
+                                   ("paged", "step05 paged：按块表直接读池子", "^-")):
+            ax.plot(contexts, [points[(B, c)][name] * 1e3 for c in contexts], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"批大小 {B}")
+        ax.set_xlabel("上下文长度（token）")
+        ax.set_ylabel("一次 decode 前向（毫秒）")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("decode 一步随上下文长度：gather 的拷贝随上下文线性增长，paged 不拷贝", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

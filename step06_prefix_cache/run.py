@@ -35,7 +35,8 @@ def make_parser() -> cli.Parser:
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int):
     """--no-prefix-cache → step05 的引擎；否则 step06 的。章节模式 (c) 也从这里拿 --no-prefix-cache 的引擎。"""
     step = step05 if args.no_prefix_cache else step06
-    return step.LLMEngine(s.model, step.EngineConfig(num_blocks, args.block_size, max_batch_size), s.tok, s.tok.eos_ids)
+    config = step.EngineConfig(num_blocks, args.block_size, max_batch_size, attention=args.attention)
+    return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids)
 
 
 def main(args) -> bool:

@@ -5,7 +5,8 @@
 [2] 请求陆续到达的负载（泊松到达，短请求里夹着长提示词）：同一次运行里 step06 与 step07 交替各跑几轮，逐请求比较
     token（贪心与带种子的采样），比 TTFT / TPOT / 最长停顿 / 吞吐 / prefill 填充（--plot-timeline 存时间线图）；
 [3] 扫一遍预算：TTFT 与 TPOT 的取舍（--plot 存图）；
-[4] 一次混合前向的三种做法：展平 + 按段注意力、左填充 + 掩码、展平 + 块对角掩码（analysis/varlen_bench.py）。
+[4] 一次混合前向的四种做法：展平 + 一次内核调用（paged）、展平 + 按段注意力（gather）、左填充 + 掩码、
+    展平 + 块对角掩码（analysis/varlen_bench.py）。
 """
 import statistics
 
@@ -19,7 +20,8 @@ from common.harness import Checks, finish, percentile, pool_is_free, replay, sta
 from step02_sampling.sampler import draw_margin
 from step04_static_batching.request import Request
 from step06_prefix_cache import engine as step06
-from step07_chunked_prefill.analysis.varlen_bench import DENSE, FLAT, PADDED, compare as compare_varlen, print_comparison
+from step07_chunked_prefill.analysis.varlen_bench import (DENSE, FLAT, PADDED, PAGED, compare as compare_varlen,
+                                                          print_comparison)
 from step07_chunked_prefill.analysis.workload import (arrival_workload, check_workload, is_long,
                                                       mid_prefill_preemption_workload)
 from step07_chunked_prefill.engine import num_blocks_for_budget
@@ -218,7 +220,7 @@ class Chapter:
     # ---------- [4] 一次混合前向的三种做法 ----------
     def varlen(self):
         contexts, chunk = [280, 310, 295, 330, 270, 305, 320, 290], (200, 56)
-        stage("\n[4] 一次混合前向：展平 + 按段注意力 vs 左填充 + 掩码 vs 展平 + 块对角掩码 ...")
+        stage("\n[4] 一次混合前向：展平 + 一次内核调用 vs 展平 + 按段注意力 vs 左填充 + 掩码 vs 展平 + 块对角掩码 ...")
         res = compare_varlen(self.s, contexts, chunk, self.bs, repeats=3 if self.args.quick else 9)
         print(f"机器: {machine()}")
         print_comparison(res, contexts, chunk)
@@ -226,6 +228,8 @@ class Chapter:
                                                                   and r["same_argmax"] for r in res.values())
         self.figures.update({
             "varlen_step_ms": round(res[FLAT]["ms"], 2),
+            "paged_varlen_step_ms": round(res[PAGED]["ms"], 2),
+            "paged_varlen_step_ms_ratio_vs_gather": round(res[PAGED]["ms"] / res[FLAT]["ms"], 3),
             "padded_step_ms_ratio_vs_varlen": round(res[PADDED]["ms"] / res[FLAT]["ms"], 3),
             "dense_step_ms_ratio_vs_varlen": round(res[DENSE]["ms"] / res[FLAT]["ms"], 3),
             "padded_token_slots_ratio": round(res[PADDED]["token_slots"] / res[FLAT]["token_slots"], 3),

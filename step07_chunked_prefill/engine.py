@@ -35,7 +35,7 @@ from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache
+from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
 
@@ -50,11 +50,14 @@ class EngineConfig:
     max_batch_size: int = 8          # 运行集合最多几个请求
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
     enable_prefix_caching: bool = True
+    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
         if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
             raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                             f"--max-batch-size ({self.max_batch_size})")
@@ -83,7 +86,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens)
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
-            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype)
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
+                                         config.attention)
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
@@ -113,10 +117,11 @@ class LLMEngine:
         if seq is None:
             return           # 不认识或已经结束：什么也不做
         self.scheduler.finish(seq, "abort")
-        self._aborted.append(RequestOutput(request_id, [], True, "abort"))
+        self._aborted.append(RequestOutput(request_id, [], True, "abort", seq.num_cached_tokens or 0))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.seqs)
+        """还有没结束的请求，或者还有 abort 的结果没交出去（下一次 step() 交）。"""
+        return bool(self.seqs or self._aborted)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -127,13 +132,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
-        outputs += self._postprocess(batch, logits)
-        self._record(batch, fwd, self.clock.now() - t0, outputs)
-        return outputs
+        new = self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, new)
+        for o in new:
+            if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
+                self.scheduler.finish(self.seqs.pop(o.request_id), o.finish_reason)
+        return outputs + new
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数；算到了最后一个 token 的请求采一个 token（prefill 的前几块不采样）。
-        这一步的 token 一起产出（记下同一个时刻）；结束的请求立刻还块。"""
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
         outputs, row, now = [], 0, self.clock.now()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -150,8 +158,6 @@ class LLMEngine:
                 seq.first_token_time = now
             if reason is not None:
                 seq.finish_time = now
-                self.scheduler.finish(seq, reason)   # 立刻还块：下一步就能接纳新请求
-                del self.seqs[seq.request_id]
             outputs.append(RequestOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens))
         return outputs
 
@@ -176,7 +182,9 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         finally:
-            for seq in seqs:
-                self.abort(seq.request_id)           # 已经结束的请求 abort 什么也不做
+            ids = {seq.request_id for seq in seqs}
+            for i in ids:
+                self.abort(i)                        # 已经结束的请求 abort 什么也不做
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
         return GenerateOutput([s.output_ids for s in seqs],
                               collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

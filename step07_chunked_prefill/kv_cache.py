@@ -18,7 +18,9 @@ update(layer_idx, k, v)：
 
 gather 是一次真实的拷贝，每层、每个 decode 步都要做：B × max_blocks × block_size 个槽，每槽
 cfg.kv_bytes_per_token 字节（全部层的 K 和 V）。AttentionMetadata.gather_bytes 在拷贝发生的地方把它如实累加。
-真正的 PagedAttention 内核不做这次拷贝：注意力在内核里直接按块表去读池子里的块（docs/05_paged.md 第 3 节）。
+这正是分页本来要省掉的拷贝。attention="paged"（默认）时读池子不拷贝：写完新 K/V 之后，注意力直接按块表去读
+池子里的块，逐块做 online softmax（paged_attention.py，CPU float32 上是一个 C++ 内核）；gather 留作可读的参考
+（--attention gather），两条路算的是同一个数（测试逐位置对照）。
 
 池子比分配器管的块多一块：最后一块是空块（null block），从不分给任何请求。块表较短的行补齐时指向它，
 这样填充读到的永远不是别人的块。每行自己长度之外的位置（补齐的空块、最后一块还没写到的尾巴）K 被掩码遮住，
@@ -37,7 +39,9 @@ plan 把它们首尾相接排成 (1, T) 的一行，T = 全部新 token 数，�
 decode 批），每个 prefill 块一段（1 行 L 个 query，看自己已在池子里的前缀 + 自己这 L 个新 K/V）。每一段就是
 一个上面的 AttentionMetadata（_plan_segment 给出）；新的只是"几段共用一行的矩阵乘"。为什么不把所有段拼成一个
 (T × ΣS) 的块对角掩码：那样每个 query 都要和所有请求的 key 算分数再遮掉，分数的量随段数平方增长
-（analysis/varlen_bench.py 量了三种做法）。
+（analysis/varlen_bench.py 量了三种做法）。attention="paged" 时整行只调用一次内核：每个请求的 query 在行里首尾
+相接，内核拿到每个请求的 query 数和 key 数（FlashAttention 的 cu_seqlens_q / seqused_k 就是这两样），按各自的
+块表读池子——decode 与 prefill 的块是同一种情况，只是 query 数不同。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +52,10 @@ from common.config import ModelConfig
 from common.kv_cache import KVCache
 from step04_static_batching.batch import PAD_ID, attention_mask
 
+from step05_paged.paged_attention import kernel_available, paged_attention
+
+ATTENTION_CHOICES = ("paged", "gather")
+
 
 @dataclass
 class AttentionMetadata(KVCache):
@@ -55,26 +63,51 @@ class AttentionMetadata(KVCache):
     pool: torch.Tensor          # (layers, 2, num_blocks + 1, H_kv, block_size, D) 整个池子（视图，不复制）
     input_ids: torch.Tensor     # (B, L)  每行是该请求还没进缓存的 token，左填充
     positions: torch.Tensor     # (B, L)  这些 token 的绝对位置；填充处为 0
-    mask: torch.Tensor          # (B, 1, 1, L, S) True = 可以看。不读池子时 S = L（只看自己），否则 S = max_blocks·block_size
+    mask: Optional[torch.Tensor]  # (B, 1, 1, L, S) True = 可以看。不读池子时 S = L（只看自己），gather 时 S = max_blocks·block_size；paged 不用
     token_index: torch.Tensor   # (N,)    真实 token 在展平的 B·L 里的下标（跳过填充）
     slot_mapping: torch.Tensor  # (N,)    第 n 个真实 token 的 K/V 写到池子的哪个槽
     block_tables: torch.Tensor  # (B, max_blocks) 每行的块表；较短的行用空块补齐
     logits_index: torch.Tensor  # (1,)    要算 logits 的列：左填充后每行的最后一个 token 都在第 L-1 列
-    # 读池子用（没有任何行有已缓存的 token 时都是 None：不读）
+    # 读池子用（没有任何行有已缓存的 token 时都是 None：不读）。paged：按块表直接读，只要每行的长度
+    seq_lens: Optional[torch.Tensor] = None    # (B,) int32  这次前向之后每行有几个 key
+    query_lens: Optional[torch.Tensor] = None  # (B,) int32  每行这次算几个 token（decode 为 1）
+    # gather：按块表把块拷成连续的 (B, H_kv, S, D)
     read_rows: Optional[torch.Tensor] = None   # (2·B·H_kv·max_blocks,) 池子一层的视图 (2·(num_blocks+1)·H_kv, block_size·D) 里要拷出的行
     read_buf: Optional[torch.Tensor] = None    # (2·B·H_kv·max_blocks, block_size·D) 拷到这里；每层复用同一块
     v_tail_rows: Optional[torch.Tensor] = None # 读回的 V 看成 (B·H_kv·S, D) 时，各行自己最后一块里还没写到的位置
     gather_bytes: int = 0       # 读池子时拷贝的字节数（全部层累计）
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 写进池子，返回注意力要看的 K/V 各 (B, H_kv, S, D)。"""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, L, D)，k/v (B, H_kv, L, D) → (B, H, L, D)。paged：写完新 K/V，注意力直接按块表读池子，
+        不拷贝；否则（全新的 prefill 只看自己的 K/V，或 gather）走 KVCache 的 update + attention。"""
+        if self.seq_lens is None:
+            return super().attend(layer_idx, q, k, v)
+        self.write(layer_idx, k, v)
+        B, H, L, D = q.shape
+        layer = self.pool[layer_idx]
+        qs = q.transpose(1, 2).reshape(B * L, H, D)                              # (B, H, L, D) -> (B·L, H, D)
+        if L > 1:
+            qs = qs[self.token_index]                                            # 去掉左填充：(N, H, D)
+        out = paged_attention(qs, layer[0], layer[1], self.block_tables, self.seq_lens, self.query_lens)  # (N, H, D)
+        if L > 1:                                                                # 放回左填充的位置（填充处的输出没人用，给 0）
+            out = out.new_zeros(B * L, H, D).index_copy_(0, self.token_index, out)
+        return out.view(B, L, H, D).transpose(1, 2)                              # (B·L, H, D) -> (B, H, L, D)
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 按 slot_mapping 写进池子（只写真实 token，填充不写）。"""
         B, H_kv, L, D = k.shape
         layer = self.pool[layer_idx]                                             # (2, num_blocks+1, H_kv, block_size, D)：视图
         bs = layer.shape[3]
         block, offset = self.slot_mapping // bs, self.slot_mapping % bs          # (N,), (N,)
         for kv, new in ((0, k), (1, v)):
             new = new.transpose(1, 2).reshape(B * L, H_kv, D)                    # (B, H_kv, L, D) -> (B·L, H_kv, D)
-            layer[kv, block, :, offset] = new[self.token_index]                  # 只写真实 token：(N, H_kv, D) 写进各自的槽
+            layer[kv, block, :, offset] = new[self.token_index]                  # (N, H_kv, D) 写进各自的槽
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """gather 的读法：k, v (B, H_kv, L, D) 写进池子，返回注意力要看的 K/V 各 (B, H_kv, S, D)。"""
+        self.write(layer_idx, k, v)
+        B, H_kv, L, D = k.shape
+        layer, bs = self.pool[layer_idx], self.pool.shape[4]
         if self.read_rows is None:
             return k, v          # 全新的 prefill：要看的正是本次前向自己的 K/V（刚写进池子的那些），不用读回来
         # 一次 index_select 把 K 和 V 一起拷出来：行的顺序是 (K/V, 请求, 头, 逻辑块)，拷出来正好是两个连续的
@@ -90,8 +123,10 @@ class AttentionMetadata(KVCache):
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype, attention: str = "paged"):
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+        self.num_blocks, self.block_size, self.attention = num_blocks, block_size, attention
         self.H_kv, self.D = cfg.num_kv_heads, cfg.head_dim
         # 块内按头排 (H_kv, block_size, D)：同一个头、同一块的 block_size 个位置是一段连续内存，
         # 按 (请求, 头, 逻辑块) 的顺序把这些段拼起来，得到的正好是连续的 (B, H_kv, S, D)——与 step03 的缓存
@@ -101,6 +136,8 @@ class PagedKVCache:
         self.pool = torch.zeros(cfg.num_layers, 2, num_blocks + 1, self.H_kv, block_size, self.D,
                                 device=device, dtype=dtype)
         self.null_block = num_blocks   # 多出来的最后一块：从不分配，只给块表补齐用
+        if attention == "paged" and torch.device(device).type == "cpu" and dtype == torch.float32:
+            kernel_available()         # 第一次用时编译（或从缓存加载）内核：编译不算进第一次前向的时间
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -121,10 +158,22 @@ class PagedKVCache:
             start += B * L
         sampling = [last[i] for i, (seq, n) in enumerate(zip(seqs, num_new_tokens))
                     if seq.num_computed_tokens + n == seq.num_tokens]
-        return FlatAttentionMetadata(segments,
+        dev = self.pool.device
+        flat = FlatAttentionMetadata(segments,
                                      torch.cat([seg.input_ids.flatten() for seg in segments])[None],  # (1, T)
                                      torch.cat([seg.positions.flatten() for seg in segments])[None],  # (1, T)
-                                     torch.tensor(sampling, dtype=torch.long, device=self.pool.device))
+                                     torch.tensor(sampling, dtype=torch.long, device=dev), self.pool)
+        if self.attention == "paged":   # 整行一次内核调用：请求按行里的顺序，各自的块表、key 数、query 数
+            rows = [i for g in groups for i in g]
+            ends = [seqs[i].num_computed_tokens + num_new_tokens[i] for i in rows]
+            tables = [seqs[i].block_table[:-(-end // self.block_size)] for i, end in zip(rows, ends)]
+            width = max(map(len, tables))
+            flat.block_tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in tables],
+                                             dtype=torch.int32, device=dev)                       # (R, max_blocks)
+            flat.seq_lens = torch.tensor(ends, dtype=torch.int32, device=dev)                       # (R,)
+            flat.query_lens = torch.tensor([num_new_tokens[i] for i in rows], dtype=torch.int32, device=dev)
+            flat.slot_mapping = torch.cat([seg.slot_mapping for seg in segments])                 # (T,)
+        return flat
 
     def _plan_segment(self, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
         """一段：seqs[i] 这一步算位置 num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 的 token
@@ -165,6 +214,11 @@ class PagedKVCache:
             mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
             return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                                      token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index)
+        if self.attention == "paged":   # 内核按块表直接读池子：只要每行的长度，不拷贝、不用掩码
+            return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), None, token_index.to(dev),
+                                     slot_mapping.to(dev), block_tables.to(device=dev, dtype=torch.int32), logits_index,
+                                     (cached + n_new).to(device=dev, dtype=torch.int32),
+                                     n_new.to(device=dev, dtype=torch.int32))
         S = max_blocks * bs
         # 按绝对位置的因果掩码：位置 p 的 query 只看位置 ≤ p 的 key。块表里还没写（或补齐出来）的槽，
         # 位置都 > 该行任何真实 query 的位置，自然被遮住；填充的 query 位置为 0，只看 key 0，不会整行全遮。
@@ -185,7 +239,8 @@ class PagedKVCache:
         read_buf = torch.empty(2 * B * self.H_kv * max_blocks, bs * self.D, device=dev, dtype=self.pool.dtype)
         return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
                                  token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
-                                 read_rows.to(dev), read_buf, tail.flatten().nonzero().squeeze(1).to(dev))
+                                 read_rows=read_rows.to(dev), read_buf=read_buf,
+                                 v_tail_rows=tail.flatten().nonzero().squeeze(1).to(dev))
 
 
 @dataclass
@@ -195,6 +250,12 @@ class FlatAttentionMetadata(KVCache):
     input_ids: torch.Tensor             # (1, T)  各段的新 token 首尾相接
     positions: torch.Tensor             # (1, T)  每个 token 在它自己的请求里的位置
     logits_index: torch.Tensor          # (R,)    要采样的请求（这次算到了它的最后一个 token）的最后一个 token 在行里的下标
+    pool: torch.Tensor                  # (layers, 2, num_blocks + 1, H_kv, block_size, D)
+    # paged：整行一次写入、一次内核调用（gather 时是 None，每段各自写、读、算）
+    slot_mapping: Optional[torch.Tensor] = None   # (T,)  行里第 t 个 token 的 K/V 写到哪个槽
+    block_tables: Optional[torch.Tensor] = None   # (R, max_blocks) int32，R = 行里的请求数，按行里的顺序
+    seq_lens: Optional[torch.Tensor] = None       # (R,) int32  这次前向之后每个请求有几个 key
+    query_lens: Optional[torch.Tensor] = None     # (R,) int32  每个请求在行里有几个 query（首尾相接）
     mask = None                         # 掩码在每一段上（segment.mask）；KVCache 接口里的这一项不用
 
     @property
@@ -207,7 +268,17 @@ class FlatAttentionMetadata(KVCache):
         return sum(seg.gather_bytes for seg in self.segments)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (1, H, T, D)，k/v (1, H_kv, T, D) → (1, H, T, D)：每一段各自写入、读回、算注意力，再按原顺序拼回一行。"""
+        """q (1, H, T, D)，k/v (1, H_kv, T, D) → (1, H, T, D)。paged：整行写进池子、一次内核调用；
+        gather：每一段各自写入、读回、算注意力，再按原顺序拼回一行。"""
+        if self.seq_lens is not None:
+            layer = self.pool[layer_idx]
+            bs = layer.shape[3]
+            block, offset = self.slot_mapping // bs, self.slot_mapping % bs       # (T,), (T,)
+            for kv, new in ((0, k), (1, v)):
+                layer[kv, block, :, offset] = new[0].transpose(0, 1)             # (1, H_kv, T, D) -> (T, H_kv, D)
+            out = paged_attention(q[0].transpose(0, 1), layer[0], layer[1], self.block_tables, self.seq_lens,
+                                  self.query_lens)                                 # (T, H, D)
+            return out.transpose(0, 1)[None]                                       # (T, H, D) -> (1, H, T, D)
         outs, start = [], 0
         for seg in self.segments:
             B, L = seg.input_ids.shape               # decode 段：B 个请求各 1 个；prefill 块：1 个请求 L 个

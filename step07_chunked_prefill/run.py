@@ -49,11 +49,11 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
     """--no-chunked-prefill → step06 的引擎（再加 --no-prefix-cache → step05 的）；否则 step07 的。"""
     if args.no_chunked_prefill:
         step = step05 if args.no_prefix_cache else step06
-        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size)
+        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size, attention=args.attention)
     else:
         step = step07
         config = step07.EngineConfig(num_blocks, args.block_size, max_batch_size, budget,
-                                     enable_prefix_caching=not args.no_prefix_cache)
+                                     enable_prefix_caching=not args.no_prefix_cache, attention=args.attention)
     return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock)
 
 

@@ -55,11 +55,11 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
     """--no-chunked-prefill → step06 的引擎（再加 --no-prefix-cache → step05 的）；否则 step08 的。"""
     if args.no_chunked_prefill:
         step = step05 if args.no_prefix_cache else step06
-        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size)
+        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size, attention=args.attention)
     else:
         step = step08
         config = step08.EngineConfig(num_blocks, args.block_size, max_batch_size, budget, not args.no_prefix_cache,
-                                     args.kv_dtype, args.preempt)
+                                     attention=args.attention, kv_dtype=args.kv_dtype, preempt=args.preempt)
     return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock)
 
 

@@ -1,6 +1,7 @@
 """所有引擎一起比：同一组请求经过 step01 … step07 与 step08 的精确模式（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
 
-各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。
+各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。step05 起默认按块表直接读池子
+（--attention paged）；gather 读法各留一行，两种读法给出同样的 token。
 加一步 = 在 ENGINES 里加一行：`Engine(名字, fn(model, requests, eos_ids) -> 每个请求的新 token, 是否支持采样)`。
 比较用 ==（逐 token 完全相同），不用近似打平的容差：小模型上没有贴得那么近的 logit；真遇到了就换一个种子，而不是放宽。
 """
@@ -56,9 +57,10 @@ def pool_blocks(requests, block_size, pool: str) -> int:
     return 2 * biggest if pool == "tight" else sum(blocks_needed(r, block_size) for r in requests)
 
 
-def step05(block_size, max_batch_size, pool: str, step=step05_engine):
+def step05(block_size, max_batch_size, pool: str, step=step05_engine, attention="paged"):
     def run(model, requests, eos_ids):
-        config = step.EngineConfig(pool_blocks(requests, block_size, pool), block_size, max_batch_size)
+        config = step.EngineConfig(pool_blocks(requests, block_size, pool), block_size, max_batch_size,
+                                   attention=attention)
         outputs, stats = step.LLMEngine(model, config, eos_ids=eos_ids).generate(requests)
         assert pool != "tight" or stats.preemptions > 0, "the tight pool was meant to preempt"
         assert step is step05_engine or sum(stats.cached_tokens) > 0, "step06 was meant to hit its cache"
@@ -90,10 +92,12 @@ ENGINES = [
     Engine("step04_batches_of_3", step04(max_batch_size=3)),
     Engine("step05_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy")),
     Engine("step05_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight")),
+    Engine("step05_tight_pool_gather", step05(block_size=4, max_batch_size=16, pool="tight", attention="gather")),
     Engine("step06_roomy_pool", step05(block_size=4, max_batch_size=16, pool="roomy", step=step06_engine)),
     Engine("step06_tight_pool", step05(block_size=4, max_batch_size=16, pool="tight", step=step06_engine)),
     Engine("step07_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight")),
     Engine("step07_budget_16_arrivals", step07(budget=16, max_batch_size=8, pool="roomy", every_steps=3)),
+    Engine("step07_budget_5_tight_pool_gather", step07(budget=5, max_batch_size=4, pool="tight", attention="gather")),
     # step08 的精确模式（--kv-dtype 默认 = 模型 dtype）：重算式与换出式抢占
     Engine("step08_exact_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine)),
     Engine("step08_exact_swap_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine,

@@ -33,9 +33,11 @@ def imports(path) -> set[str]:
 
 
 def test_each_engine_folder_reads_alone():
-    """引擎文件只从 common/、step02 的采样器、step04 的 Request 与左填充掩码（batch.py）和自己的文件夹导入；不导入更早一步的引擎、调度器、
+    """引擎文件只从 common/、step02 的采样器、step04 的 Request 与左填充掩码（batch.py）、step05 的注意力内核
+    （paged_attention.py，像 step02 的采样器一样是做好的积木）和自己的文件夹导入；不导入更早一步的引擎、调度器、
     缓存，也不提到后面的步骤（没有为后面的步骤留的钩子）。"""
-    allowed = {"step02_sampling.sampler", "step04_static_batching.request", "step04_static_batching.batch"}
+    allowed = {"step02_sampling.sampler", "step04_static_batching.request", "step04_static_batching.batch",
+               "step05_paged.paged_attention"}
     for step in make_patches.steps():
         n = int(step.name[4:6])
         for name in make_patches.ENGINE_FILES + tuple(p.name for p in step.glob("*.py")

@@ -27,25 +27,29 @@ from step05_paged.sequence import Sequence  # noqa: E402
 MIB = 2**20
 
 
-def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=AttentionMetadata):
-    """返回 (step04_step, step05_step)：各做一次 decode 前向（step05 含 plan，包在 record_function("plan") 里，
+def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, attention: str = "paged",
+                    read=AttentionMetadata, query_len: int = 1):
+    """返回 (step04_step, step05_step)：各做一次前向（step05 含 plan，包在 record_function("plan") 里，
     返回这一步的 AttentionMetadata，可以看它拷贝了多少字节）。
-    B = len(contexts) 行，第 i 行已缓存 contexts[i] - 1 个 token、这一步算第 contexts[i] 个；最多调用 steps 次。
-    read：step05 读池子用哪个 AttentionMetadata 子类（默认就是 step05 自己的）。"""
+    B = len(contexts) 行，第 i 行已缓存 contexts[i] - query_len 个 token、这一步算后面 query_len 个（decode：1 个；
+    大于 1 是"前缀已在池子里、再算一块"，step06/07 的情况）；最多调用 steps 次。
+    attention：step05 读池子的方式（"paged" 按块表直接读，"gather" 先拷成连续的）；
+    read：gather 时用哪个 AttentionMetadata 子类（默认就是 step05 自己的）。"""
     B, P, dev, dt = len(contexts), max(contexts), s.device, s.dtype
     # step04：一批左填充到最长的上下文，缓存里已有 P - 1 列，新 token 写第 P - 1 列
-    cache4 = PreallocKVCache(s.cfg, P + steps, dev, dt, batch_size=B)
-    cache4.advance(P - 1)
+    L = query_len
+    cache4 = PreallocKVCache(s.cfg, P + steps * L, dev, dt, batch_size=B)
+    cache4.advance(P - L)
     pad4 = torch.tensor([P - c for c in contexts], device=dev)
-    x4 = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    x4 = torch.zeros(B, L, dtype=torch.long, device=dev)
     # step05：块像真实运行那样交错分配（各行轮流各要一块）
-    need = [-(-(c + steps) // block_size) for c in contexts]
-    cache5 = PagedKVCache(s.cfg, B * max(need), block_size, dev, dt)
+    need = [-(-(c + steps * L) // block_size) for c in contexts]
+    cache5 = PagedKVCache(s.cfg, B * max(need), block_size, dev, dt, attention)
     seqs = []
     for i, c in enumerate(contexts):
-        seq = Sequence(i, Request([0] * c, steps + 1), torch.Generator(), 0.0)
+        seq = Sequence(i, Request([0] * c, steps * L + 1), torch.Generator(), 0.0)
         seq.block_table = [j * B + i for j in range(need[i])]
-        seq.num_computed_tokens = c - 1
+        seq.num_computed_tokens = c - L
         seqs.append(seq)
 
     def step04():
@@ -53,11 +57,11 @@ def decode_step_fns(s, contexts: list[int], block_size: int, steps: int, read=At
 
     def step05():
         with record_function("plan"):
-            fwd = as_read(cache5.plan(seqs, [1] * B), read)
+            fwd = as_read(cache5.plan(seqs, [L] * B), read)
         s.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)
-        for seq in seqs:                     # 像引擎一样：这一步的 token 进了缓存，再"生成"一个
+        for seq in seqs:                     # 像引擎一样：这一步的 token 进了缓存，再"生成"L 个
             seq.num_computed_tokens = seq.num_tokens
-            seq.output_ids.append(0)
+            seq.output_ids += [0] * L
         return fwd
 
     return step04, step05
@@ -68,7 +72,7 @@ def as_read(fwd: AttentionMetadata, read) -> AttentionMetadata:
     return fwd if read is AttentionMetadata else read(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})
 
 
-CATEGORIES = ["线性层矩阵乘", "注意力（QKᵀ、softmax、PV、掩码）", "KV 写入与读取（写槽、gather、清零）",
+CATEGORIES = ["线性层矩阵乘", "注意力（QKᵀ、softmax、PV、掩码；paged 的内核）", "KV 写入与读取（写槽、gather、清零）",
               "plan() 准备输入", "其它算子（RMSNorm、RoPE、SiLU、嵌入、step04 的掩码…）"]
 KV_IO = CATEGORIES[2]
 PLAN = CATEGORIES[3]
@@ -79,6 +83,8 @@ def categorize(name: str, shapes: list) -> str:
     更高维的是注意力里的 q @ kᵀ、probs @ v。"""
     if name == "plan":
         return PLAN
+    if name == "paged_attention":
+        return CATEGORIES[1]
     if name == "aten::matmul":
         return CATEGORIES[0] if len(shapes) > 1 and len(shapes[1]) == 2 else CATEGORIES[1]
     if name in ("aten::softmax", "aten::masked_fill", "aten::div", "aten::bitwise_not"):
@@ -101,7 +107,7 @@ def profile_split(fn, steps: int) -> dict:
     return cats | {"合计（剖析器下）": wall}
 
 
-# ---------------- 读池子的几种写法（都是 AttentionMetadata 的子类，只换读的部分） ----------------
+# ---------------- gather 读池子的几种写法（都是 AttentionMetadata 的子类，只换读的部分） ----------------
 
 class TwoSelectsFreshAlloc(AttentionMetadata):
     """最初的写法：K、V 各一次 index_select，每层每次都新分配输出；不清零 V。"""
@@ -194,8 +200,9 @@ class PerRowAttention(AttentionMetadata):
         return torch.cat(outs)
 
 
+PAGED = "paged：按块表直接读池子（C++ 内核，不拷贝）"
 READS = {
-    "现在：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": AttentionMetadata,
+    "gather：K、V 一次 index_select → 每层复用的缓冲，只清零各行尾巴的 V": AttentionMetadata,
     "  同上，但读回后逐 token 清零长度之外的全部 V": ZeroAllBeyondLength,
     "  同上，但不清零尾巴": NoVZeroing,
     "最初：K、V 各一次 index_select，每层新分配": TwoSelectsFreshAlloc,
@@ -221,9 +228,11 @@ def main():
     fns, copied = {}, {}
     with torch.inference_mode():
         for name, read in READS.items():
-            step04, step05 = decode_step_fns(s, contexts, args.block_size, repeats + 3, read)
+            step04, step05 = decode_step_fns(s, contexts, args.block_size, repeats + 3, "gather", read)
             if not fns:
                 fns["step04：读预分配缓存的视图（不拷贝）"] = step04
+                fns[PAGED] = decode_step_fns(s, contexts, args.block_size, repeats + 3, "paged")[1]
+                copied[PAGED] = fns[PAGED]().gather_bytes
             fns[name] = step05
             copied[name] = step05().gather_bytes      # 先单独跑一步：这种写法每步拷贝多少字节（也算预热）
         wall, proc = interleaved_medians(fns, repeats, s.device, cpu=True)

@@ -1,6 +1,7 @@
-"""一次混合前向（几个 decode + 一个 prefill 块）的三种做法，算的是同一件事，量它们各花多少：
+"""一次混合前向（几个 decode + 一个 prefill 块）的四种做法，算的是同一件事，量它们各花多少：
 
-  展平 + 按段注意力（step07 的 plan）              一行 T 个 token；decode 一段、每个块一段，各自只看自己的 K/V
+  展平 + 一次内核调用（step07 的 plan，paged）      一行 T 个 token；注意力一次调用，每个请求按块表读自己的 K/V
+  展平 + 按段注意力（step07 的 plan，gather）       一行 T 个 token；decode 一段、每个块一段，各自拷出自己的 K/V
   左填充 + 掩码（step05/06 的 plan 直接用于混合批） (B, L) 一批：decode 行也补齐到块的长度 L，线性层为填充付钱
   展平 + 块对角掩码（一行、一个掩码）          一行 T 个 query 对所有请求拼起来的 ΣS 个 key 算分数，再遮掉别人的
 
@@ -26,7 +27,8 @@ from step04_static_batching.request import Request  # noqa: E402
 from step07_chunked_prefill.kv_cache import FlatAttentionMetadata, PagedKVCache  # noqa: E402
 from step07_chunked_prefill.sequence import Sequence  # noqa: E402
 
-FLAT, PADDED, DENSE = "展平 + 按段注意力（step07）", "左填充 + 掩码（step05 的 plan）", "展平 + 块对角掩码"
+PAGED, FLAT, PADDED, DENSE = ("展平 + 一次内核调用（paged）", "展平 + 按段注意力（gather）", "左填充 + 掩码（step05 的 plan）",
+                              "展平 + 块对角掩码")
 
 
 @dataclass
@@ -71,20 +73,25 @@ def plan_dense(cache: PagedKVCache, seqs, num_new_tokens: list[int], flat: FlatA
 
 
 def score_count(fwd) -> int:
-    """注意力每个头、每层要算的分数个数：Σ 段 B × L × S（掩码的形状），块对角的是 T × ΣS。"""
+    """注意力每个头、每层要算的分数个数：Σ 段 B × L × S（掩码的形状），块对角的是 T × ΣS；
+    paged 的内核只算每个请求自己的 query × 它读的 key（按块取整）。"""
+    if isinstance(fwd, FlatAttentionMetadata) and fwd.seq_lens is not None:
+        bs = fwd.pool.shape[4]
+        return int(sum(q * -(-k // bs) * bs for q, k in zip(fwd.query_lens.tolist(), fwd.seq_lens.tolist())))
     if isinstance(fwd, FlatAttentionMetadata):
         return sum(score_count(seg) for seg in fwd.segments)
     B, _, _, L, S = fwd.mask.shape
     return B * L * S
 
 
-def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: int):
+def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: int, attention: str = "gather"):
     """造一个池子和这一步的请求：每个 decode 已缓存 c-1 个 token、这一步算第 c 个；prefill 块已缓存 chunk[0] 个、
-    这一步算 chunk[1] 个（算到提示词末尾，所以它也要采样）。返回 (池子, 请求, 每个请求这一步的 token 数)。"""
+    这一步算 chunk[1] 个（算到提示词末尾，所以它也要采样）。返回 (池子, 请求, 每个请求这一步的 token 数)。
+    池子的内容由固定种子决定：两种 attention 的池子装的是同样的数。"""
     cached, L = chunk
     lengths = decode_contexts + [cached + L]
     need = [-(-n // block_size) for n in lengths]
-    cache = PagedKVCache(s.cfg, sum(need), block_size, s.device, s.dtype)
+    cache = PagedKVCache(s.cfg, sum(need), block_size, s.device, s.dtype, attention)
     g = torch.Generator(device="cpu").manual_seed(0)
     cache.pool.copy_(torch.randn(cache.pool.shape, generator=g).to(cache.pool.dtype) * 0.5)   # 当作已缓存的 K/V
     seqs, first = [], 0
@@ -99,10 +106,15 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
 
 @torch.inference_mode()
 def compare(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: int, repeats: int) -> dict:
-    """三种做法各跑一次取 logits（要采样的每个请求一行）比较，再交替计时。返回每种的 ms、矩阵乘的 token 位置数、
-    注意力分数个数，以及 logits 与 step07 的最大相对差（max|Δ| ÷ max|step07 的 logits|）。"""
+    """四种做法各跑一次取 logits（要采样的每个请求一行）比较，再交替计时。返回每种的 ms、矩阵乘的 token 位置数、
+    注意力分数个数，以及 logits 与 paged 的最大相对差（max|Δ| ÷ max|paged 的 logits|）。"""
     cache, seqs, num_new = mixed_step(s, decode_contexts, chunk, block_size)
+    cache_p, seqs_p, _ = mixed_step(s, decode_contexts, chunk, block_size, "paged")
     model = s.model
+
+    def paged():
+        fwd = cache_p.plan(seqs_p, num_new)
+        return fwd, fwd.input_ids, model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)[0]  # (R, V)
 
     def flat():
         fwd = cache.plan(seqs, num_new)
@@ -118,9 +130,9 @@ def compare(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: i
         fwd = plan_dense(cache, seqs, num_new, f)
         return fwd, f.input_ids, model(f.input_ids, f.positions, fwd, logits_index=f.logits_index)[0]         # (R, V)
 
-    fns = {FLAT: flat, PADDED: padded, DENSE: dense}
+    fns = {PAGED: paged, FLAT: flat, PADDED: padded, DENSE: dense}
     results = {name: fn() for name, fn in fns.items()}
-    ref = results[FLAT][2]
+    ref = results[PAGED][2]
     times = interleaved_medians(fns, repeats, s.device)
     out = {}
     for name, (fwd, input_ids, logits) in results.items():
@@ -131,11 +143,11 @@ def compare(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: i
 
 
 def print_comparison(res: dict, decode_contexts: list[int], chunk: tuple[int, int]) -> None:
-    flat = res[FLAT]
+    flat = res[PAGED]
     print(f"一步 = {len(decode_contexts)} 个 decode（上下文 {decode_contexts}）+ 1 个 prefill 块"
           f"（已缓存 {chunk[0]}，这一步算 {chunk[1]} 个）；交替计时各取中位数：")
-    print(table(["做法", "一步 (ms)", "÷ step07", "矩阵乘的 token 位置", "注意力分数（每头每层）", "分数 ÷ step07",
-                 "logits 与 step07 最大相对差", "argmax 相同"],
+    print(table(["做法", "一步 (ms)", "÷ paged", "矩阵乘的 token 位置", "注意力分数（每头每层）", "分数 ÷ paged",
+                 "logits 与 paged 最大相对差", "argmax 相同"],
                 [[name, f"{r['ms']:.1f}", f"{r['ms'] / flat['ms']:.2f}", r["token_slots"], r["scores"],
                   f"{r['scores'] / flat['scores']:.1f}", f"{r['max_rel_diff']:.1e}", "是" if r["same_argmax"] else "否"]
                  for name, r in res.items()]))
