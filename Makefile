@@ -7,7 +7,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STEPS  := $(sort $(wildcard step0*/run.py))
+STEPS  := $(sort $(wildcard step*/run.py))
 QUICK  := $(if $(FULL),,--quick)
 
 .PHONY: setup demo test patches serve clean-model

@@ -31,6 +31,8 @@ from .metrics import ServerMetrics
 log = logging.getLogger("step11_serving")
 
 
+STEP_STATS_KEPT = 1024
+
 class ServerBusy(Exception):
     """等待的请求已经到上限（→ 503 + Retry-After）：与其让队列无限长、每个人都超时，不如早点说"稍后再来"。"""
 
@@ -170,7 +172,10 @@ class AsyncLLMEngine:
 
     def _step(self):
         with torch.inference_mode():                       # 线程局部的：在引擎线程里打开
-            return self.engine.step()
+            outs = self.engine.step()
+        # 引擎每一步记一行账（章节用它算统计）；服务器一直跑，只留最近的，内存不随运行时间增长
+        del self.engine.step_stats[:-STEP_STATS_KEPT]
+        return outs
 
     def _apply(self) -> None:
         pending, self._pending = self._pending, []
