@@ -29,9 +29,8 @@ from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
 
 log = logging.getLogger("step11_serving")
+STEP_STATS_KEPT = 1024     # 服务器只留引擎最近这么多步的账
 
-
-STEP_STATS_KEPT = 1024
 
 class ServerBusy(Exception):
     """等待的请求已经到上限（→ 503 + Retry-After）：与其让队列无限长、每个人都超时，不如早点说"稍后再来"。"""
