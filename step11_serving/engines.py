@@ -1,0 +1,80 @@
+"""服务器能挂哪一步的引擎：step05 起每一步的 engine.py 都有同样的 step API（LLMEngine / EngineConfig，
+add_request / step / abort），服务器只认这套 API，所以任何一步都能拿来服务。
+
+加一步只要在 ENGINES 里加一行。每一步的引擎参数直接从它的 EngineConfig 的字段生成
+（num_blocks → --num-blocks，max_num_batched_tokens → --max-num-batched-tokens，kv_dtype → --kv-dtype……），
+所以服务器的参数永远与那一步的引擎一致，不用在这里再抄一遍。
+"""
+import argparse
+import dataclasses
+import importlib
+import typing
+
+from common.cli import positive_int
+from common.errors import UserError
+
+ENGINES = {                       # --engine 的名字 → 那一步的包
+    "step05": "step05_paged",
+    "step06": "step06_prefix_cache",
+    "step07": "step07_chunked_prefill",
+    "step08": "step08_kv_quant",
+}
+DEFAULT_ENGINE = "step08"          # 最新的一步（step09 / step10 合并后改这里、加上面一行）
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数（与各步 run.py 相同）
+# 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
+FLAG_NAMES = {"enable_prefix_caching": "--prefix-cache"}
+
+
+def engine_module(name: str):
+    if name not in ENGINES:
+        raise UserError(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    try:
+        mod = importlib.import_module(f"{ENGINES[name]}.engine")
+    except ImportError as e:
+        raise UserError(f"cannot import engine {name}: {e}") from None
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget")):
+        raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
+    return mod
+
+
+def _fields(config_cls):
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t   # Optional[X] → X
+        default = None if f.default is dataclasses.MISSING else f.default
+        yield f, base, default
+
+
+def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """把那一步 EngineConfig 的每个字段加成一个命令行参数（默认值取自 EngineConfig 本身）。"""
+    g = parser.add_argument_group(f"{name} 的引擎参数（来自 {ENGINES[name]}.engine.EngineConfig）")
+    for f, base, default in _fields(engine_module(name).EngineConfig):
+        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        if base is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        elif base is int:
+            g.add_argument(flag, dest=f.name, type=positive_int, default=default, metavar="N")
+        elif base is float:
+            g.add_argument(flag, dest=f.name, type=float, default=default)
+        else:
+            g.add_argument(flag, dest=f.name, type=str, default=default)
+
+
+def build_engine(name: str, session, args):
+    """按命令行参数建那一步的引擎。num_blocks 没给时用那一步自己的 num_blocks_for_budget 按 DEFAULT_KV_MIB 换算
+    （step08 的量化池子每 token 字节更少，同样的预算放更多块）。"""
+    from common.clock import WallClock
+    mod = engine_module(name)
+    kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
+    if "num_blocks" not in kw:
+        extra = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
+        kw["num_blocks"] = int(mod.num_blocks_for_budget(session.cfg, kw["block_size"], session.model.dtype,
+                                                         DEFAULT_KV_MIB, **extra))
+    try:
+        config = mod.EngineConfig(**kw)
+        return mod.LLMEngine(session.model, config, tokenizer=session.tok, eos_ids=session.tok.eos_ids,
+                             clock=WallClock())
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad engine settings for {name}: {e}") from None
