@@ -342,7 +342,8 @@ def launch(tp: int, pp: int, worker_main: Callable = serve_worker, worker_args: 
            ) -> Iterator[ParallelContext]:
     """进入时：本进程成为 rank 0，其余 tp·pp − 1 个 rank 跑 worker_main(parallel, *worker_args)。
     - torchrun 起的（环境变量里有 RANK、WORLD_SIZE）：每个进程都走到这里；rank ≠ 0 就地跑 worker_main，然后退出进程。
-    - 否则 tp·pp > 1 时用 torch.multiprocessing（spawn）起子进程；tp·pp = 1 时什么也不起（一个进程，与 step09 相同）。
+    - 否则 tp·pp > 1 时用 torch.multiprocessing（forkserver，没有时 spawn）起子进程；tp·pp = 1 时什么也不起
+      （一个进程，与 step09 相同）。
     退出时（正常、出错、Ctrl-C）：见文件开头"进程一个不剩地收掉"。"""
     world, procs, threads_before = tp * pp, [], torch.get_num_threads()
     threads = threads or max(1, (os.cpu_count() or 1) // world)

@@ -76,6 +76,8 @@ def main(args) -> bool:
     check_parallel(cfg, args.tp, args.pp)
     s = cli.Session(None, Tokenizer(path), cfg, path, device, dtype)
     if args.prompt is None:
+        if "RANK" in os.environ:
+            raise UserError("chapter mode starts its own process groups: run it without torchrun")
         from step10_tensor_parallel.chapter import Chapter
         return Chapter(args, s).run()
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]   # 坏输入在起进程之前报告
