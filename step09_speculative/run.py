@@ -14,68 +14,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
-from step02_sampling.sampler import params_from_args  # noqa: E402
+from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
+from step05_paged import engine as step05  # noqa: E402
+from step06_prefix_cache import engine as step06  # noqa: E402
 from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
-from step08_kv_quant import run as run08  # noqa: E402
 from step09_speculative import engine as step09  # noqa: E402
+from step09_speculative.quant import KV_DTYPE_CHOICES  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
-    p = run08.make_parser()                              # step08 的全部参数
-    p.description = __doc__.splitlines()[0]
-    g = p.add_argument_group("投机解码")
-    g.add_argument("--spec-method", choices=step09.SPEC_METHODS, default=None,
-                   help="谁来猜：ngram（prompt lookup，默认）、draft（草稿模型）、none（不猜 = step08）")
-    g.add_argument("--num-spec-tokens", type=cli.positive_int, default=step09.EngineConfig.num_spec_tokens,
-                   help="每步每个请求至多猜几个 token")
-    g.add_argument("--ngram-min", type=cli.positive_int, default=step09.EngineConfig.ngram_min,
-                   help="prompt lookup 匹配的最短 n-gram")
-    g.add_argument("--ngram-max", type=cli.positive_int, default=step09.EngineConfig.ngram_max,
-                   help="prompt lookup 先试的最长 n-gram")
-    g.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
+    p = cli.make_parser(__doc__.splitlines()[0])
+    add_sampling_args(p)
+    cli.add_stop_arg(p)
+    cli.add_paged_args(p, step09.DEFAULT_KV_MIB)
+    cli.add_prefix_cache_args(p)
+    cli.add_chunked_prefill_args(p, step09.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step09.PREEMPT_CHOICES)
+    cli.add_speculative_args(p, step09.SPEC_METHODS, step09.EngineConfig.num_spec_tokens, step09.EngineConfig.ngram_min,
+                             step09.EngineConfig.ngram_max)
     return p
-
-
-def spec_method(args) -> str:
-    """没给 --spec-method：有 --draft-model 就是 draft，--no-chunked-prefill（step06 的引擎）时不猜，否则 ngram。"""
-    if args.spec_method is not None:
-        return args.spec_method
-    return "draft" if args.draft_model else "none" if args.no_chunked_prefill else "ngram"
 
 
 def check_args(args) -> None:
     """加载模型之前就报错。"""
-    run08.check_args(args)
-    method = spec_method(args)
-    if args.no_chunked_prefill and method != "none":
-        raise UserError("speculative decoding needs step09's engine (drop --no-chunked-prefill or use --spec-method none)")
-    if args.ngram_min > args.ngram_max:
-        raise UserError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
-    if method == "draft" and not args.draft_model:
-        raise UserError("--spec-method draft needs --draft-model DIR")
-    if args.draft_model and method != "draft":
-        raise UserError(f"--draft-model is only used with --spec-method draft (got {method})")
+    cli.check_chunked_prefill_args(args)
+    cli.check_kv_quant_args(args)
+    cli.check_speculative_args(args)
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None, draft_model=None):
-    """--no-chunked-prefill → step08 的 run.py 选的那个（step06 / step05 的引擎）；否则 step09 的。"""
+    """--no-chunked-prefill → step06 的引擎（再加 --no-prefix-cache → step05 的）；否则 step09 的。"""
     if args.no_chunked_prefill:
-        return run08.engine_for(args, s, num_blocks, max_batch_size, budget, clock)
+        step = step05 if args.no_prefix_cache else step06
+        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size, attention=args.attention)
+        return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock)
     config = step09.EngineConfig(num_blocks, args.block_size, max_batch_size, budget, not args.no_prefix_cache,
                                  attention=args.attention, kv_dtype=args.kv_dtype, preempt=args.preempt,
-                                 spec_method=spec_method(args), num_spec_tokens=args.num_spec_tokens,
+                                 spec_method=cli.spec_method(args), num_spec_tokens=args.num_spec_tokens,
                                  ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     return step09.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock, draft_model=draft_model)
-
-
-def load_draft(args, s: cli.Session):
-    """--draft-model：与目标同一设备、同一 dtype 加载（目录不对时一行 error）。"""
-    if spec_method(args) != "draft":
-        return None
-    return cli.open_session(args.draft_model, s.device, s.dtype_name).model
 
 
 def main(args) -> bool:
@@ -87,7 +65,7 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step09.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens,
-                        draft_model=load_draft(args, s))
+                        draft_model=cli.load_draft_model(args, s))
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
@@ -96,14 +74,14 @@ def main(args) -> bool:
     cli.print_generations(s, prompts, outputs)
     spec = getattr(engine, "spec_stats", step09.SpecStats())
     rate = spec.accepted / spec.proposed if spec.proposed else 0.0
-    print(f"\n投机解码 {spec_method(args)}：验证 {spec.proposed} 个猜测，接受 {spec.accepted} 个（{rate:.1%}）；"
+    print(f"\n投机解码 {cli.spec_method(args)}：验证 {spec.proposed} 个猜测，接受 {spec.accepted} 个（{rate:.1%}）；"
           f"{st.num_forwards} 次前向产出 {st.generated_tokens} 个 token；池子 {num_blocks} 块 × {args.block_size} token，"
           f"抢占 {st.preemptions} 次")
     if args.json:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
         for res, cached in zip(out["results"], st.cached_tokens):
             res["cached_tokens"] = cached
-        out["stats"] = {"spec_method": spec_method(args), "num_spec_tokens": args.num_spec_tokens,
+        out["stats"] = {"spec_method": cli.spec_method(args), "num_spec_tokens": args.num_spec_tokens,
                         "proposed": spec.proposed, "accepted": spec.accepted, "acceptance_rate": round(rate, 4),
                         "forwards": st.num_forwards, "generated_tokens": st.generated_tokens,
                         "num_blocks": num_blocks, "block_size": args.block_size, "preemptions": st.preemptions}

@@ -21,17 +21,26 @@ from common.device import pick_device, pick_dtype  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.prepare import resolve_model  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
-from step02_sampling.sampler import params_from_args  # noqa: E402
+from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
+from step05_paged import engine as step05  # noqa: E402
+from step06_prefix_cache import engine as step06  # noqa: E402
 from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
-from step09_speculative import run as run09  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
+from step10_tensor_parallel.quant import KV_DTYPE_CHOICES  # noqa: E402
 from step10_tensor_parallel.distributed import forward_comm_seconds, launch, serve_worker  # noqa: E402
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard  # noqa: E402
 
 def make_parser() -> cli.Parser:
-    p = run09.make_parser()                              # step09 的全部参数
-    p.description = __doc__.splitlines()[0]
+    p = cli.make_parser(__doc__.splitlines()[0])
+    add_sampling_args(p)
+    cli.add_stop_arg(p)
+    cli.add_paged_args(p, step10.DEFAULT_KV_MIB)
+    cli.add_prefix_cache_args(p)
+    cli.add_chunked_prefill_args(p, step10.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step10.PREEMPT_CHOICES)
+    cli.add_speculative_args(p, step10.SPEC_METHODS, step10.EngineConfig.num_spec_tokens, step10.EngineConfig.ngram_min,
+                             step10.EngineConfig.ngram_max)
     g = p.add_argument_group("并行")
     g.add_argument("--tp", type=cli.positive_int, default=1, help="张量并行：一个 stage 里几个进程分每一层（要整除头数）")
     g.add_argument("--pp", type=cli.positive_int, default=1, help="流水线并行：层分成几个 stage")
@@ -39,7 +48,9 @@ def make_parser() -> cli.Parser:
 
 
 def check_args(args) -> None:
-    run09.check_args(args)
+    cli.check_chunked_prefill_args(args)
+    cli.check_kv_quant_args(args)
+    cli.check_speculative_args(args)
     if args.tp * args.pp > 1 and args.no_chunked_prefill:
         raise UserError("--no-chunked-prefill runs step06's engine in one process: drop --tp/--pp")
     if args.tp * args.pp > 1 and args.device == "cuda":
@@ -53,12 +64,14 @@ def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, parallel, draft_model=None):
-    """--no-chunked-prefill → step09 的 run.py 选的那个（step06 / step05 的引擎）；否则 step10 的。"""
+    """--no-chunked-prefill → step06 的引擎（再加 --no-prefix-cache → step05 的），一个进程；否则 step10 的。"""
     if args.no_chunked_prefill:
-        return run09.engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
+        step = step05 if args.no_prefix_cache else step06
+        config = step.EngineConfig(num_blocks, args.block_size, args.max_batch_size, attention=args.attention)
+        return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids)
     config = step10.EngineConfig(num_blocks, args.block_size, args.max_batch_size, args.max_num_batched_tokens,
                                  not args.no_prefix_cache, attention=args.attention, kv_dtype=args.kv_dtype,
-                                 preempt=args.preempt, spec_method=run09.spec_method(args),
+                                 preempt=args.preempt, spec_method=cli.spec_method(args),
                                  num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min,
                                  ngram_max=args.ngram_max)
     return step10.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, draft_model=draft_model,
@@ -87,7 +100,7 @@ def main(args) -> bool:
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
         s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
-        engine = engine_for(args, s, num_blocks, parallel, run09.load_draft(args, s))
+        engine = engine_for(args, s, num_blocks, parallel, cli.load_draft_model(args, s))
         outputs, st = engine.generate(requests)
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)

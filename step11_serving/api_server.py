@@ -1,7 +1,7 @@
 """OpenAI 兼容的 HTTP 服务器（FastAPI + uvicorn），挂在 step05 起任何一步的引擎上。
 
     python -m step11_serving.api_server [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY]
-        [--engine step08] [--max-waiting 64] [那一步的引擎参数：--num-blocks --block-size --max-batch-size ...]
+        [--engine step10] [--max-waiting 64] [那一步的引擎参数：--num-blocks --block-size --max-batch-size ...]
 
 端点：POST /v1/chat/completions、POST /v1/completions（流式 SSE 与非流式）、GET /v1/models、GET /health、
 GET /metrics（Prometheus）、GET /（聊天页面）。API 里的模型名 = 模型目录的名字。
@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -346,30 +346,32 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     from common.cli import open_session
-    from .engines import DEFAULT_ENGINE, add_engine_args, build_engine
+    from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--engine", default=DEFAULT_ENGINE)
-    try:
-        parser = make_parser()
-        add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
-        args = parser.parse_args(argv)
-        session = open_session(args.model, args.device, args.dtype)
-        engine = build_engine(args.engine, session, args)
-        sock = bind(args.host, args.port)
-    except UserError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-    aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
-    settings = settings_for(session, engine, args.block_size, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-    app = build_app(aengine, session.tok, settings)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model", args.host)
-    print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
-          f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
-    uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
-
+    with ExitStack() as stack:                  # step10 的 --tp/--pp：退出时先停引擎，再收掉 worker 进程
+        try:
+            parser = make_parser()
+            add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
+            args = parser.parse_args(argv)
+            session = open_session(args.model, args.device, args.dtype)
+            engine = stack.enter_context(serving_engine(args.engine, session, args))
+            sock = bind(args.host, args.port)
+        except UserError as e:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            sys.exit(2)
+        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
+        settings = settings_for(session, engine, args.block_size, api_key=args.api_key,
+                                max_body_bytes=args.max_body_bytes)
+        app = build_app(aengine, session.tok, settings)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+            log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
+                        args.host)
+        print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
+              f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
+        uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
 
 if __name__ == "__main__":
     main()

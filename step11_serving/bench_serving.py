@@ -329,7 +329,7 @@ def make_parser():
     p.add_argument("--repeats", type=cli.positive_int, default=3)
     p.add_argument("--threads", type=cli.positive_int, default=2)
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="= llama-server 的 --parallel")
-    p.add_argument("--engine", default="step08")
+    p.add_argument("--engine", default=DEFAULT_ENGINE)
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
     return p
 

@@ -1,4 +1,4 @@
-"""step11_serving：把 step05 起任何一步的引擎变成 OpenAI 兼容的流式 HTTP 服务器（默认 step08 的引擎）。
+"""step11_serving：把 step05 起任何一步的引擎变成 OpenAI 兼容的流式 HTTP 服务器（默认最新一步 step10 的引擎；--tp / --pp 时服务器就是 rank 0）。
 
     python -m step11_serving.api_server [--port 8000] [--api-key KEY] [引擎参数]    # 只起服务器（make serve），浏览器打开即可聊天
     python step11_serving/run.py [--quick] [--json]                                  # 章节模式（chapter.py）
@@ -15,10 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step11_serving.api_server import serve_in_thread  # noqa: E402
-from step11_serving.engines import DEFAULT_ENGINE, ENGINES, add_engine_args, build_engine  # noqa: E402
+from step11_serving.engines import DEFAULT_ENGINE, ENGINES, add_engine_args, serving_engine  # noqa: E402
 
 STEP = "step11_serving"
 
@@ -26,7 +25,7 @@ STEP = "step11_serving"
 def make_parser(argv=None):
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
-    p.add_argument("--stop", action="append", default=None, help="停止字符串（可重复）")
+    cli.add_stop_arg(p)
     p.add_argument("--n", type=cli.positive_int, default=1, help="每个提示词 K 个样本（种子 S, S+1, ...）")
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES), help="服务哪一步的引擎")
     pre = argparse.ArgumentParser(add_help=False)
@@ -37,18 +36,14 @@ def make_parser(argv=None):
 
 
 def main(args) -> bool:
-    params = params_from_args(args)
-    stop = list(args.stop or ())
-    if any(not t for t in stop):
-        raise UserError("--stop must not be empty")
+    params, stop = params_from_args(args), list(cli.stop_from_args(args))
     s = cli.load_session(args)
     if args.prompt is None:
         from step11_serving.chapter import chapter
         return chapter(args, s)
-    engine = build_engine(args.engine, s, args)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     import openai
-    with serve_in_thread(s, engine, args.block_size) as server:
+    with serving_engine(args.engine, s, args) as engine, serve_in_thread(s, engine, args.block_size) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         r = client.completions.create(
             model=s.path.name, prompt=prompt_ids, max_tokens=args.max_new_tokens, n=args.n, stop=stop or None,

@@ -561,3 +561,28 @@ def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
                for f in fields - {"num_blocks", "max_batch_size"})
     if "enable_prefix_caching" in fields:                 # 与 run.py 同名：--no-prefix-cache
         assert build_engine(name, tiny_session, p.parse_args(["--no-prefix-cache"])).config.enable_prefix_caching is False
+
+
+def test_step10_tensor_parallel_engine_is_served(tiny_tok_dir):
+    """--engine step10 --tp 2：服务器进程就是 rank 0，另一个 rank 是它起的子进程；经过服务器的贪心输出与
+    一个进程的引擎逐 token 相同（all-reduce 改变求和顺序：近似打平的规则见 common/compare.py），关闭后 worker 一个不剩。"""
+    import multiprocessing
+    from step11_serving.engines import serving_engine
+    s = open_session(str(tiny_tok_dir), "cpu", "float32")
+    p = argparse.ArgumentParser()
+    add_engine_args(p, "step10")
+    ids = chat_ids(s.tok, "讲个笑话")
+    ref = real_engine("step10", s).generate([Request(ids, 12, SamplingParams(), ignore_eos=True)]).outputs[0]
+    with serving_engine("step10", s, p.parse_args(["--num-blocks", "64", "--block-size", "4", "--tp", "2"])) as engine:
+        assert engine.parallel is not None and engine.parallel.world_size == 2
+        server = Served(engine, s.tok)
+        try:
+            r = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+            got = r.choices[0].token_ids
+        finally:
+            server.stop()
+    full = open_session(str(tiny_tok_dir), "cpu", "float32")
+    c = compare("tp2", ids, ref, got, full.full_logits, MARGIN_TOL[full.dtype])
+    assert c.ok, c.describe()
+    assert not multiprocessing.active_children()
