@@ -2,13 +2,15 @@
 #   make demo   从零安装并依次运行每一步的 run.py（默认 --quick；完整基准用 make demo FULL=1）
 #   make test   从零安装并运行全部测试，最后列出最慢的 15 个（.ci/run 就是它）
 #   make patches 重新生成 docs/patches/NN-MM.diff（相邻两步引擎文件的 diff；改了引擎文件之后运行，测试会检查）
+#   make serve  用默认模型起 step11 的 OpenAI 兼容服务器（http://127.0.0.1:8000，浏览器打开就是聊天页面）；
+#               参数经 SERVE_ARGS 传，例如 make serve SERVE_ARGS="--port 8080 --api-key KEY"
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STEPS  := $(sort $(wildcard step0*/run.py))
+STEPS  := $(sort $(wildcard step*/run.py))
 QUICK  := $(if $(FULL),,--quick)
 
-.PHONY: setup demo test patches clean-model
+.PHONY: setup demo test patches serve clean-model
 
 setup: $(VENV)/.installed
 
@@ -28,6 +30,9 @@ test: setup
 
 patches:
 	$(PYTHON) docs/patches/make_patches.py
+
+serve: setup
+	$(PY) -m step11_serving.api_server $(SERVE_ARGS)
 
 clean-model:
 	rm -rf "$${LLM_FROM_SCRATCH_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/llm-from-scratch}"

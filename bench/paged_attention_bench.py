@@ -8,7 +8,7 @@ decode：上下文 256 … 4096 × 批大小 1 / 4 / 8，每个请求 1 个 quer
 计时方式：每种写法先预热，然后轮流各跑 R 次取中位数；每次计时前读一遍 2 × L3 大小的缓冲，把 K/V 挤出缓存——
 真实的前向里，两次读同一层的 K/V 之间隔着其余 29 层和全部权重，K/V 总是从内存里读的。
 "gather + 注意力"只计每层都要做的部分（index_select 到复用的缓冲、清零尾巴的 V、注意力），
-与 step05 的 PagedForward.update 相同；块表换算成行号、掩码这些每次前向算一次的东西不计（plan 里做）。
+与 step05 的 AttentionMetadata.update（gather 读法）相同；块表换算成行号、掩码这些每次前向算一次的东西不计（plan 里做）。
 flex 的 BlockMask 同理每次前向造一次、各层共用，不计；它的编译时间单独列出。
 """
 import argparse

@@ -10,7 +10,8 @@
 
     step03  CatKVCache / PreallocKVCache   缓存对象本身传给模型；mask = None（右下对齐的因果掩码）
     step04  MaskedCache                     预分配缓存 + 本次前向的逐行掩码（左填充），每次前向造一个
-    step05  PagedForward                    PagedKVCache.plan(seqs) 每次前向返回一个：按槽写、按块表读、按位置遮
+    step05  AttentionMetadata               PagedKVCache.plan(seqs, n) 每次前向返回一个：按槽写、按块表读
+                                            （paged 时它自己重写 attend：注意力直接按块表读池子，见 step05_paged/kv_cache.py）
 
 一次前向的全部状态（要写哪些槽、读哪些块、掩码）都在传给模型的这个对象上；长期存在的池子上没有
 "当前这次前向"之类的隐藏状态。缓存活多久（length / advance、块的分配与释放）是引擎的事，不在这个接口里。

@@ -148,7 +148,7 @@ def radix_split(out: Path) -> Path:
 
 
 def block_lifecycle(out: Path) -> Path:
-    """step06 的 PrefixCachingBlockAllocator：块在四种状态之间怎么走。"""
+    """step06 的 BlockManager（前缀缓存）：块在四种状态之间怎么走。"""
     fig, ax = plt.subplots(figsize=(12, 5.6))
     blank(ax)
     w, h = 0.24, 0.17
@@ -242,7 +242,7 @@ def varlen_row(out: Path) -> Path:
 # ---------- 第 08 章 ----------
 
 def quant_pool_layout(out: Path) -> Path:
-    """paged_quant.py 的池子：pool (layers, 2, num_blocks+1, H_kv, block_size, D) 存码，scales 同样按块寻址。"""
+    """step08 kv_cache.py 的量化池子：pool (layers, 2, num_blocks+1, H_kv, block_size, D) 存码，scales 同样按块寻址。"""
     fig, ax = plt.subplots(figsize=(13, 6.2))
     blank(ax)
     ax.text(0.5, 0.96, "pool：(层 30, K/V 2, num_blocks + 1, H_kv 3, block_size 16, D 64) int8 / fp8 码    "

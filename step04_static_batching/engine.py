@@ -51,7 +51,7 @@ def reserved_len(requests: list[Request]) -> int:
 def split_batches(requests: list[Request], max_batch_size: int,
                   max_kv_slots: Optional[int] = None) -> list[range]:
     """按到达顺序切批，返回每批的下标范围。一批最多 max_batch_size 个；给了 KV 预算 max_kv_slots（以槽计）时，
-    这批的预留 B × reserved_len 也不能超出预算（step05 的 run.py 用它算"同样的 KV 内存，连续预留能同时跑几个"）。"""
+    这批的预留 B × reserved_len 也不能超出预算（step05 的 chapter.py 用它算"同样的 KV 内存，连续预留能同时跑几个"）。"""
     def fits(lo: int, hi: int) -> bool:
         n = hi - lo
         return n <= max_batch_size and (max_kv_slots is None or n * reserved_len(requests[lo:hi]) <= max_kv_slots)

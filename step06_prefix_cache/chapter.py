@@ -68,12 +68,14 @@ class Chapter:
         self.engines = []                                # 用过的引擎：最后检查引用计数都回到 0
 
     def step05(self, num_blocks, max_batch_size) -> step05.LLMEngine:
-        e = step05.LLMEngine(self.s.model, step05.EngineConfig(num_blocks, self.bs, max_batch_size), self.s.tok, self.eos)
+        config = step05.EngineConfig(num_blocks, self.bs, max_batch_size, attention=self.args.attention)
+        e = step05.LLMEngine(self.s.model, config, self.s.tok, self.eos)
         self.engines.append(e)
         return e
 
     def step06(self, num_blocks, max_batch_size) -> LLMEngine:
-        e = LLMEngine(self.s.model, EngineConfig(num_blocks, self.bs, max_batch_size), self.s.tok, self.eos)
+        config = EngineConfig(num_blocks, self.bs, max_batch_size, attention=self.args.attention)
+        e = LLMEngine(self.s.model, config, self.s.tok, self.eos)
         self.engines.append(e)
         return e
 

@@ -1,12 +1,12 @@
 """SGLang 式的基数树（RadixCache）：按 token 粒度记"哪些前缀的 K/V 在缓存里"。
 
-每条边是一段 token，从根走到某个节点经过的 token 拼起来就是一段缓存过的前缀。与块哈希（block_pool.py）比：
+每条边是一段 token，从根走到某个节点经过的 token 拼起来就是一段缓存过的前缀。与块哈希（block_manager.py）比：
 - 匹配按 token 算，不按块取整：块大小 4 时，缓存里有 "|This is the||end.|"，新请求 "This is the end!" 的
   最后一块没满，块缓存只能用 "This is the"，基数树能用到 "This is the end"（只要 K/V 按 token 存放）；
 - 节点按需分裂：新前缀只在分叉处多出一个节点，公共部分只存一份；
 - 驱逐按叶子：最久没访问的、没人锁着的叶子先走，于是总是先丢前缀的尾巴，不会留下断掉的前缀。
 
-这里只管"索引"：不存 K/V 本身（SGLang 的节点里还存每个 token 的 K/V 槽号）。run.py 用它在多轮对话负载上
+这里只管"索引"：不存 K/V 本身（SGLang 的节点里还存每个 token 的 K/V 槽号）。chapter.py 用它在多轮对话负载上
 模拟同样容量的 token 粒度缓存，量出它比整块匹配多找到多少 token、又花了什么代价。
 """
 import heapq

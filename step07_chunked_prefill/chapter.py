@@ -72,8 +72,8 @@ class Chapter:
         return e
 
     def step06(self, clock=None) -> step06.LLMEngine:
-        e = step06.LLMEngine(self.s.model, step06.EngineConfig(self.num_blocks, self.bs, self.B), self.s.tok, self.eos,
-                             clock)
+        config = step06.EngineConfig(self.num_blocks, self.bs, self.B, attention=self.args.attention)
+        e = step06.LLMEngine(self.s.model, config, self.s.tok, self.eos, clock)
         self.engines.append(e)
         return e
 

@@ -11,7 +11,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
@@ -25,24 +24,11 @@ def make_parser() -> cli.Parser:
     add_sampling_args(p)
     cli.add_stop_arg(p)
     cli.add_paged_args(p, step07.DEFAULT_KV_MIB)
-    g = p.add_argument_group("前缀缓存与分块 prefill")
-    g.add_argument("--no-prefix-cache", action="store_true", help="关掉前缀缓存")
-    g.add_argument("--n", type=cli.positive_int, default=1, help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1）")
-    g.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=step07.DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"一次前向最多算多少个 token（decode 各 1 个，剩下的给 prefill 的块；默认 "
-                        f"{step07.DEFAULT_MAX_NUM_BATCHED_TOKENS}），不能小于 --max-batch-size")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="关掉分块 prefill：用 step06 的引擎（同样的输出、同样的每一次前向）")
-    g.add_argument("--plot", default=None, help="章节模式：TTFT / TPOT 随预算变化的图存到这个路径（PNG）")
-    g.add_argument("--plot-timeline", default=None, help="章节模式：step06 / step07 每个请求出 token 的时间线图（PNG）")
+    cli.add_prefix_cache_args(p)
+    cli.add_chunked_prefill_args(p, step07.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--plot", default=None, help="章节模式：TTFT / TPOT 随预算变化的图存到这个路径（PNG）")
+    p.add_argument("--plot-timeline", default=None, help="章节模式：step06 / step07 每个请求出 token 的时间线图（PNG）")
     return p
-
-
-def check_budget(args) -> None:
-    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token。"""
-    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-                        f"--max-batch-size ({args.max_batch_size})")
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None):
@@ -59,7 +45,7 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
 
 def main(args) -> bool:
     params, stop = params_from_args(args), cli.stop_from_args(args)
-    check_budget(args)
+    cli.check_chunked_prefill_args(args)
     s = cli.load_session(args)
     if args.prompt is None:
         from step07_chunked_prefill.chapter import Chapter

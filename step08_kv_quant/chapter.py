@@ -60,7 +60,7 @@ class Chapter:
     def engine(self, step=step08, num_blocks=None, budget=None, max_batch_size=None, **kw):
         """step08 的引擎（kw：kv_dtype、preempt），或 step=step07 的引擎（参考）。"""
         config = step.EngineConfig(num_blocks or self.num_blocks, self.bs, max_batch_size or self.B,
-                                   budget or self.budget, **kw)
+                                   budget or self.budget, attention=self.args.attention, **kw)
         e = step.LLMEngine(self.s.model, config, self.s.tok, self.eos)
         self.engines.append(e)
         return e
@@ -134,7 +134,7 @@ class Chapter:
         for name in LOSSY:
             fmt = kv_format(name, s.dtype)
             nb = -(-len(ids) // self.bs)
-            pool = PagedKVCache(cfg, nb, self.bs, s.device, s.dtype, fmt)
+            pool = PagedKVCache(cfg, nb, self.bs, s.device, s.dtype, fmt=fmt)
             table_ = list(range(nb))
             worst, rel_k, rel_v = 0.0, [], []
             for layer in range(cfg.num_layers):
@@ -221,7 +221,7 @@ class Chapter:
     def paged_logits(self, fmt, ids: list[int]) -> torch.Tensor:
         """ids 整段 prefill 进量化的分页池子，返回每个位置的 logits (T, V)。"""
         nb = -(-len(ids) // self.bs)
-        cache = PagedKVCache(self.s.cfg, nb, self.bs, self.s.device, self.s.dtype, fmt)
+        cache = PagedKVCache(self.s.cfg, nb, self.bs, self.s.device, self.s.dtype, fmt=fmt)
         seq = Sequence(0, Request(ids, 1), torch.Generator(), 0.0, block_table=list(range(nb)))
         fwd = cache._plan_segment([seq], [len(ids)])                 # 一段整段 prefill：每个位置都要 logits
         return self.s.model(fwd.input_ids, fwd.positions, fwd)[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
@@ -27,28 +26,16 @@ def make_parser() -> cli.Parser:
     add_sampling_args(p)
     cli.add_stop_arg(p)
     cli.add_paged_args(p, step08.DEFAULT_KV_MIB)
-    g = p.add_argument_group("前缀缓存与分块 prefill")
-    g.add_argument("--no-prefix-cache", action="store_true", help="关掉前缀缓存")
-    g.add_argument("--n", type=cli.positive_int, default=1, help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1）")
-    g.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=step08.DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="一次前向最多算多少个 token，不能小于 --max-batch-size")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="关掉分块 prefill：用 step06 的引擎")
-    g = p.add_argument_group("KV 量化与换出")
-    g.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
-                   help="KV 池子的存法（默认：模型的 dtype，精确，与 step07 相同）；int8 / fp8 每个 (token, 头) 一个 scale")
-    g.add_argument("--preempt", choices=step08.PREEMPT_CHOICES, default="recompute",
-                   help="池子满了怎么让出块：recompute（扔掉 KV、之后重算，step05 起的做法）或 swap（换出到 CPU 内存、之后换回）")
+    cli.add_prefix_cache_args(p)
+    cli.add_chunked_prefill_args(p, step08.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step08.PREEMPT_CHOICES)
     return p
 
 
 def check_args(args) -> None:
     """加载模型之前就报错。"""
-    if args.no_chunked_prefill:
-        if args.preempt == "swap" or args.kv_dtype is not None:
-            raise UserError("--kv-dtype and --preempt swap need step08's engine (drop --no-chunked-prefill)")
-    elif args.max_num_batched_tokens < args.max_batch_size:
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-                        f"--max-batch-size ({args.max_batch_size})")
+    cli.check_chunked_prefill_args(args)
+    cli.check_kv_quant_args(args)
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None):

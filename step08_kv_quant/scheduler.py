@@ -37,7 +37,7 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
     is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
-    num_decode_tokens: int        # 其中 decode 的 token 数（seqs 开头的这么多个请求各 1 个）
+    num_decode_tokens: int        # 其中 decode 的 token 数（已经在 decode 的请求各 1 个）
 
 
 class Scheduler:

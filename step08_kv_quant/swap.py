@@ -9,7 +9,7 @@ step05 的抢占是"重算"：扔掉 KV，之后重新 prefill 提示词 + 已�
 第二层有自己的空闲链表，装满了就不能再换出（调度器那时只能退回重算）；被换出的请求被 abort 时，free 把它在
 第二层的块还回去。
 
-布局：池子里块是第 block_dim 维（step05：(layers, 2, num_blocks, H_kv, block_size, D) 的第 2 维），一块分散在
+布局：池子里块是第 block_dim 维（step05 起：(layers, 2, num_blocks + 1, H_kv, block_size, D) 的第 2 维），一块分散在
 layers × 2 段内存里；第二层把块放在第 0 维，(num_cpu_blocks, layers, 2, H_kv, block_size, D)，一块是一整段连续内存，
 一次 DMA 就能搬完。代价：每块一次 copy_，一次换出 n 块就是 n 次（vLLM 的 swap_blocks 也是按块逐个拷）。
 """

@@ -1,4 +1,4 @@
-"""所有引擎一起比：同一组请求经过 step01 … step07 与 step08 的精确模式（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+"""所有引擎一起比：同一组请求经过 step01 … step07、step08 的精确模式与 step09（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
 
 各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。step05 起默认按块表直接读池子
 （--attention paged）；gather 读法各留一行，两种读法给出同样的 token。
@@ -23,6 +23,7 @@ from step05_paged import engine as step05_engine
 from step06_prefix_cache import engine as step06_engine
 from step07_chunked_prefill import engine as step07_engine
 from step08_kv_quant import engine as step08_engine
+from step09_speculative import engine as step09_engine
 
 blocks_needed = step05_engine.blocks_needed
 
@@ -102,6 +103,12 @@ ENGINES = [
     Engine("step08_exact_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine)),
     Engine("step08_exact_swap_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step08_engine,
                                                            preempt="swap")),
+    # step09：不投机（= step08）；prompt lookup 投机只比贪心——拒绝采样在分布上精确，但消耗随机数的方式与逐个采样
+    # 不同，同一个种子抽出的样本不同（分布相同由 tests/test_step09_speculative.py 检验）
+    Engine("step09_none_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step09_engine)),
+    Engine("step09_ngram_budget_16_tight_pool", step07(budget=16, max_batch_size=4, pool="tight", step=step09_engine,
+                                                       spec_method="ngram", num_spec_tokens=3, ngram_min=1),
+           sampling=False),
 ]
 
 

@@ -30,6 +30,9 @@ REQUIRED_FIGURES = {
     "step08_kv_quant": {"kv_bytes_per_token_ratio", "top1_agreement", "nll_delta_fraction", "capacity_ratio_vs_float32",
                         "throughput_ratio_vs_float32", "swap_vs_recompute_time_ratio", "fp8_top1_agreement",
                         "fp8_nll_delta_fraction"},
+    "step09_speculative": {"acceptance_rate", "mean_accepted_tokens_per_step", "forwards_per_token",
+                           "speedup_vs_step08_batch1_grounded", "speedup_vs_step08_batch1_chat",
+                           "speedup_vs_step08_batch8_grounded", "hf_prompt_lookup_speedup_batch1_grounded"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}

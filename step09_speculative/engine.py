@@ -1,0 +1,313 @@
+"""step09 引擎：step08（分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill + 量化的池子 + 换出式抢占）+ 投机解码，
+一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
+
+    add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
+    step() -> list[RequestOutput]          一次前向：猜测 → 调度 → 排出这次前向的地址（plan）→ 模型 → 验证、结束的还块
+    abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
+    has_unfinished_requests()
+    generate(requests)                     只是上面几个的循环
+
+与 step03 逐 token 一致的关键：
+- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
+- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
+  所以它消耗的随机数序列与 step03 单独生成时完全相同。
+
+记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
+
+step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
+把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
+下一轮能命中上一轮。
+
+step07 的分块 prefill：调度器给每一步一个 token 预算，decode 与 prefill 的块混在同一次前向里（scheduler.py）；
+plan 把它们排成没有填充的一行（kv_cache.py 的 FlatAttentionMetadata），只算要采样的位置的 logits。引擎的
+step() 一行没变：每个请求的 K/V 往前推它这一步算的 token 数，算到最后一个 token 的才采样——prefill 的前几块
+不采样。--no-chunked-prefill 用的是 step06 的引擎（run.py）；--no-prefix-cache 是这里的 enable_prefix_caching=False。
+
+step08：kv_dtype 是 int8 / fp8（或另一种浮点）时池子存量化的码和 scale，写时量化、读时反量化（kv_cache.py，
+数学在 quant.py）；默认（None = 模型的 dtype）是精确模式，与 step07 逐位相同。preempt="swap" 时抢占把块换出到
+第二层（swap.py：CPU 内存；池子在 CUDA 上时用锁页内存），重新接纳时换回来（scheduler.py）。
+
+step09 的投机解码（spec_method 不是 "none" 时）：每一步开头，提议者（proposer.py：prompt lookup 或草稿模型）给每个
+在 decode 的请求猜接下来的至多 k 个 token；调度器让它这一步算 1 + k 个位置（scheduler.py），plan 给出每个位置的
+logits（kv_cache.py）；_postprocess 用 rejection_sampler.verify 决定留下几个：接受的猜测 + 一个来自目标模型的
+token，一次前向产出 1..k+1 个 token，RequestOutput.new_token_ids 就是它们。被拒绝的猜测的 K/V 不算进
+num_computed_tokens（回滚），猜测也从不进 token_ids，所以前缀缓存只登记真正的 token。没有猜测的请求走的是
+同一个 verify：空猜测时它就是 step08 的那一次 sample()——spec_method="none" 与 step08 逐位相同。
+接受率一直很低的请求暂停猜测一阵（SPEC_WINDOW 等常数）：猜错的验证不是免费的。
+"""
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from common.clock import Clock, WallClock
+from common.errors import UserError
+from common.stats import EngineStats, StepStats, collect_stats
+from step02_sampling.sampler import make_generator
+from step04_static_batching.request import Request
+
+from .block_manager import BlockManager
+from .kv_cache import ATTENTION_CHOICES, PagedKVCache
+from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
+from .quant import kv_format
+from .rejection_sampler import verify
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import RequestOutput, Sequence
+from .swap import SwapSpace
+
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
+PREEMPT_CHOICES = ("recompute", "swap")
+SPEC_METHODS = ("none", "ngram", "draft")
+# 按请求关掉投机：一个请求最近 SPEC_WINDOW 次验证的平均接受率低于 SPEC_MIN_ACCEPTANCE，就有 SPEC_PAUSE_STEPS 步
+# 不猜（照常 decode），然后重新试。验证 k 个猜测要花 c(k) 次 decode 的时间，划算要 接受率 > (c(k) − 1) / k：
+# GPU 上 c(k) ≈ 1，阈值可以很低；我们量过的 CPU 上 c(4) 约 3–4（docs/09 第 1 节），阈值约 0.5–0.75。0.5 是折中，换了硬件就改它
+SPEC_WINDOW = 4
+SPEC_MIN_ACCEPTANCE = 0.5
+SPEC_PAUSE_STEPS = 16
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_size: int = 8          # 运行集合最多几个请求
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
+    enable_prefix_caching: bool = True
+    kv_dtype: Optional[str] = None   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
+    preempt: str = "recompute"       # "swap"：抢占时换出到第二层
+    swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
+    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
+    spec_method: str = "none"        # "ngram"：prompt lookup；"draft"：草稿模型（LLMEngine 的 draft_model）
+    num_spec_tokens: int = 4         # 每步每个请求至多猜几个（vLLM 的 num_speculative_tokens）
+    ngram_min: int = 2               # prompt lookup 的 n-gram 长度范围（vLLM 的 prompt_lookup_min / max）
+    ngram_max: int = 4
+
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
+        if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
+            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                            f"--max-batch-size ({self.max_batch_size})")
+        if self.preempt not in PREEMPT_CHOICES:
+            raise UserError(f"unknown --preempt {self.preempt!r} (choose from {', '.join(PREEMPT_CHOICES)})")
+        if self.swap_blocks is not None and not (isinstance(self.swap_blocks, int) and self.swap_blocks > 0):
+            raise UserError(f"swap_blocks must be a positive integer, got {self.swap_blocks!r}")
+        if self.spec_method not in SPEC_METHODS:
+            raise UserError(f"unknown --spec-method {self.spec_method!r} (choose from {', '.join(SPEC_METHODS)})")
+        if not (isinstance(self.num_spec_tokens, int) and self.num_spec_tokens >= 1):
+            raise UserError(f"--num-spec-tokens must be an integer >= 1, got {self.num_spec_tokens!r}")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
+            raise UserError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min!r} and {self.ngram_max!r}")
+
+
+def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: float = DEFAULT_KV_MIB,
+                          kv_dtype: Optional[str] = None) -> int:
+    """同样的 MiB 预算能放几块：每 token 字节越少（量化），块越多。"""
+    return int(mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype, kv_format(kv_dtype, dtype)))
+
+
+def blocks_needed(r: Request, block_size: int) -> int:
+    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""
+    return -(-(len(r.prompt_ids) + r.max_new_tokens - 1) // block_size)
+
+
+@dataclass
+class SpecStats:
+    """投机解码的累计账（引擎活多久记多久）：接受率 = accepted ÷ proposed。"""
+    proposed: int = 0         # 验证过的猜测
+    accepted: int = 0         # 其中被接受的
+    verifications: int = 0    # 带着猜测的验证（一个请求一次前向算一次）
+
+
+class GenerateOutput(NamedTuple):
+    outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
+    stats: EngineStats
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None, eos_ids=(), clock: Clock | None = None,
+                 draft_model=None, proposer: Optional[Proposer] = None):
+        """draft_model：spec_method="draft" 的草稿模型（词表与 model 相同）；proposer：直接给一个提议者
+        （测试用脚本化的 FakeProposer），给了就不看 spec_method。"""
+        config.validate()
+        self.model, self.config = model, config
+        self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
+        self.clock = clock or WallClock()
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
+            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
+                                         config.attention, kv_format(config.kv_dtype, model.dtype))
+            self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2)
+                         if config.preempt == "swap" else None)
+        except (RuntimeError, MemoryError) as e:
+            raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
+                            f"tokens: {e}") from None
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
+        self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
+        self.spec_stats = SpecStats()
+        self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
+        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
+        self._next_id = 0
+
+    def _make_proposer(self, draft_model) -> Optional[Proposer]:
+        c = self.config
+        if c.spec_method == "ngram":
+            return NgramProposer(c.ngram_min, c.ngram_max, c.num_spec_tokens)
+        if c.spec_method == "draft":
+            if draft_model is None:
+                raise UserError("--spec-method draft needs --draft-model DIR")
+            if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
+                raise UserError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
+                                f"target's ({self.model.cfg.vocab_size}): they must share the tokenizer")
+            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size, c.attention)
+        return None
+
+    def add_request(self, request: Request) -> int:
+        """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
+        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
+        if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
+            raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
+                            f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
+                            f"has only {have}: raise --num-blocks or lower --max-new-tokens")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return           # 不认识或已经结束：什么也不做
+        self.scheduler.finish(seq, "abort")
+        if self.proposer is not None:
+            self.proposer.free(seq)
+        self._aborted.append(RequestOutput(request_id, [], True, "abort", seq.num_cached_tokens or 0))
+
+    def has_unfinished_requests(self) -> bool:
+        """还有没结束的请求，或者还有 abort 的结果没交出去（下一次 step() 交）。"""
+        return bool(self.seqs or self._aborted)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        t0 = self.clock.now()
+        self._propose()                                                      # 猜测也算在这一步的时间里
+        batch = self.scheduler.schedule()
+        fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
+        logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
+        new = self._postprocess(batch, logits)
+        self._record(batch, fwd, self.clock.now() - t0, new)
+        for o in new:
+            if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
+                seq = self.seqs.pop(o.request_id)
+                self.scheduler.finish(seq, o.finish_reason)
+                if self.proposer is not None:
+                    self.proposer.free(seq)
+        return outputs + new
+
+    def _propose(self) -> None:
+        """给每个在 decode 的请求要这一步的猜测：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的减 1
+        （验证最多产出 k+1 个 token）。暂停中的请求这一步不猜。调度器可能再砍掉几个（预算、块）。"""
+        if self.proposer is None:
+            return
+        seqs = []
+        for seq in self.scheduler.running:
+            if seq.in_prefill or seq.request.max_new_tokens - len(seq.output_ids) < 2:
+                continue
+            if seq.spec_paused_steps > 0:
+                seq.spec_paused_steps -= 1
+                continue
+            seqs.append(seq)
+        if not seqs:
+            return
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs)):
+            seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
+            seq.trim_spec(min(self.config.num_spec_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1))
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
+        （prefill 的前几块不采样）：接受的猜测 + 一个目标模型的 token 依次 append（遇到结束条件就停，后面的扔掉）。
+        接受的猜测的 K/V 这次前向已经写进池子，算进 num_computed_tokens；被拒绝的不算——这就是回滚，它们的槽以后被覆盖。
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
+        outputs, row, now = [], 0, self.clock.now()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            spec = seq.spec_token_ids
+            seq.num_computed_tokens += n - len(spec)
+            if seq.num_computed_tokens < seq.num_tokens:
+                self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
+                continue
+            rows = logits[row:row + 1 + len(spec)]         # (1 + k, V)：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
+            row += 1 + len(spec)
+            # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
+            tokens = verify(rows, seq.token_ids, Proposal(spec, seq.spec_probs), seq.request.params, seq.generator)
+            self._count_spec(seq, len(spec), len(tokens) - 1)
+            seq.trim_spec(0)
+            seq.in_prefill = False
+            new, reason = [], None
+            for i, token in enumerate(tokens):
+                reason = seq.append_token(token, self.eos_ids, self.tokenizer)
+                seq.token_times.append(now)
+                new.append(token)
+                if i < len(tokens) - 1:
+                    seq.num_computed_tokens += 1      # 被接受的猜测：它的 K/V 已经在池子里
+                if reason is not None:
+                    break
+            self.block_manager.cache_full_blocks(seq)
+            if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
+                seq.first_token_time = now
+            if reason is not None:
+                seq.finish_time = now
+            outputs.append(RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_cached_tokens))
+        return outputs
+
+    def _count_spec(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """记账；最近 SPEC_WINDOW 次验证的平均接受率太低就暂停这个请求的猜测。"""
+        if proposed == 0:
+            return
+        seq.num_spec_proposed += proposed
+        seq.num_spec_accepted += accepted
+        self.spec_stats.proposed += proposed
+        self.spec_stats.accepted += accepted
+        self.spec_stats.verifications += 1
+        seq.spec_recent = (seq.spec_recent + [accepted / proposed])[-SPEC_WINDOW:]
+        if len(seq.spec_recent) == SPEC_WINDOW and sum(seq.spec_recent) / SPEC_WINDOW < SPEC_MIN_ACCEPTANCE:
+            seq.spec_paused_steps, seq.spec_recent = SPEC_PAUSE_STEPS, []
+
+    def _record(self, batch: SchedulerOutput, fwd, seconds: float, outputs: list[RequestOutput]) -> None:
+        """这一步的一行账。干等 = 运行集合里已经有输出、这一步却没有产出 token 的请求（在等别人的 prefill）。"""
+        produced = {o.request_id for o in outputs}
+        stalled = [seq for seq in self.scheduler.running if seq.output_ids and seq.request_id not in produced]
+        for seq in stalled:
+            seq.stall_time += seconds
+        held, used = self.block_manager.usage(self.scheduler.running)
+        B, L = fwd.input_ids.shape
+        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
+                                         fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+
+    def generate(self, requests: list[Request]) -> GenerateOutput:
+        """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
+        中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
+        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        try:
+            for r in requests:
+                seqs.append(self.seqs[self.add_request(r)])
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            ids = {seq.request_id for seq in seqs}
+            for i in ids:
+                self.abort(i)                        # 已经结束的请求 abort 什么也不做
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
+        return GenerateOutput([s.output_ids for s in seqs],
+                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))

@@ -1,0 +1,93 @@
+"""step09_speculative：投机解码——prompt lookup 或草稿模型猜 k 个 token，目标模型一次前向验证，输出与 step08 完全相同。
+
+    python step09_speculative/run.py [--quick] [--json]                                  # 章节模式（chapter.py）
+    python step09_speculative/run.py --prompt "..." --spec-method ngram --num-spec-tokens 4
+    python step09_speculative/run.py --prompt "..." --spec-method draft --draft-model DIR
+
+--spec-method none 是 step08 的行为（同样的输出、同样的前向）。贪心时任何 --spec-method 的输出都与 step08 逐 token
+相同；抽样时分布相同（验证规则见 rejection_sampler.py）。step08 的全部参数照旧；--no-chunked-prefill 用 step06 的
+引擎（没有投机）。
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import cli  # noqa: E402
+from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
+from step04_static_batching.request import Request  # noqa: E402
+from step05_paged import engine as step05  # noqa: E402
+from step06_prefix_cache import engine as step06  # noqa: E402
+from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
+from step09_speculative import engine as step09  # noqa: E402
+from step09_speculative.quant import KV_DTYPE_CHOICES  # noqa: E402
+
+
+def make_parser() -> cli.Parser:
+    p = cli.make_parser(__doc__.splitlines()[0])
+    add_sampling_args(p)
+    cli.add_stop_arg(p)
+    cli.add_paged_args(p, step09.DEFAULT_KV_MIB)
+    cli.add_prefix_cache_args(p)
+    cli.add_chunked_prefill_args(p, step09.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step09.PREEMPT_CHOICES)
+    cli.add_speculative_args(p, step09.SPEC_METHODS, step09.EngineConfig.num_spec_tokens, step09.EngineConfig.ngram_min,
+                             step09.EngineConfig.ngram_max)
+    return p
+
+
+def check_args(args) -> None:
+    """加载模型之前就报错。"""
+    cli.check_chunked_prefill_args(args)
+    cli.check_kv_quant_args(args)
+    cli.check_speculative_args(args)
+
+
+def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None, draft_model=None):
+    """--no-chunked-prefill → step06 的引擎（再加 --no-prefix-cache → step05 的）；否则 step09 的。"""
+    if args.no_chunked_prefill:
+        step = step05 if args.no_prefix_cache else step06
+        config = step.EngineConfig(num_blocks, args.block_size, max_batch_size, attention=args.attention)
+        return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock)
+    config = step09.EngineConfig(num_blocks, args.block_size, max_batch_size, budget, not args.no_prefix_cache,
+                                 attention=args.attention, kv_dtype=args.kv_dtype, preempt=args.preempt,
+                                 spec_method=cli.spec_method(args), num_spec_tokens=args.num_spec_tokens,
+                                 ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    return step09.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, clock, draft_model=draft_model)
+
+
+def main(args) -> bool:
+    params, stop = params_from_args(args), cli.stop_from_args(args)
+    check_args(args)
+    s = cli.load_session(args)
+    if args.prompt is None:
+        from step09_speculative.chapter import Chapter
+        return Chapter(args, s).run()
+    num_blocks = args.num_blocks or step09.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens,
+                        draft_model=cli.load_draft_model(args, s))
+    prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
+    requests = [q for ids in prompt_ids
+                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+    prompts = [p for p in args.prompt for _ in range(args.n)]
+    outputs, st = engine.generate(requests)
+    cli.print_generations(s, prompts, outputs)
+    spec = getattr(engine, "spec_stats", step09.SpecStats())
+    rate = spec.accepted / spec.proposed if spec.proposed else 0.0
+    print(f"\n投机解码 {cli.spec_method(args)}：验证 {spec.proposed} 个猜测，接受 {spec.accepted} 个（{rate:.1%}）；"
+          f"{st.num_forwards} 次前向产出 {st.generated_tokens} 个 token；池子 {num_blocks} 块 × {args.block_size} token，"
+          f"抢占 {st.preemptions} 次")
+    if args.json:
+        out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
+        for res, cached in zip(out["results"], st.cached_tokens):
+            res["cached_tokens"] = cached
+        out["stats"] = {"spec_method": cli.spec_method(args), "num_spec_tokens": args.num_spec_tokens,
+                        "proposed": spec.proposed, "accepted": spec.accepted, "acceptance_rate": round(rate, 4),
+                        "forwards": st.num_forwards, "generated_tokens": st.generated_tokens,
+                        "num_blocks": num_blocks, "block_size": args.block_size, "preemptions": st.preemptions}
+        cli.emit_json(out)
+    return True
+
+
+if __name__ == "__main__":
+    cli.run_main(make_parser(), main)

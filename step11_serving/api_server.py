@@ -1,0 +1,377 @@
+"""OpenAI 兼容的 HTTP 服务器（FastAPI + uvicorn），挂在 step05 起任何一步的引擎上。
+
+    python -m step11_serving.api_server [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY]
+        [--engine step10] [--max-waiting 64] [那一步的引擎参数：--num-blocks --block-size --max-batch-size ...]
+
+端点：POST /v1/chat/completions、POST /v1/completions（流式 SSE 与非流式）、GET /v1/models、GET /health、
+GET /metrics（Prometheus）、GET /（聊天页面）。API 里的模型名 = 模型目录的名字。
+
+每个请求的路：读请求体（有上限）→ 检查字段（protocol.py）→ 分词 → AsyncLLMEngine.add（async_engine.py）→
+流式：每个 Delta 变成一个 SSE chunk；非流式：收齐再回。无论响应怎样结束（正常、客户端断开、出错、关闭服务器），
+都调用 handle.abort()：还没结束的样本被取消，它们的块在引擎的下一步之前就还回池子。
+"""
+import argparse
+import asyncio
+import logging
+import secrets
+import socket
+import sys
+import threading
+import time
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.errors import UserError
+
+from . import protocol as P
+from .async_engine import AsyncLLMEngine, EngineUnavailable, RequestHandle, ServerBusy
+
+STATIC = Path(__file__).resolve().parent / "static"
+log = logging.getLogger("step11_serving")
+
+
+@dataclass
+class ServerSettings:
+    model_name: str               # API 里的模型名（模型目录的名字）
+    context_len: int              # 模型的上下文长度
+    vocab_size: int               # 直接给 token id 时检查范围用
+    pool_tokens: int              # KV 池子一共能放几个 token（num_blocks × block_size）
+    api_key: Optional[str] = None
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1        # 503 时告诉客户端多久以后再试
+
+
+def settings_for(session, engine, block_size: int, **kw) -> ServerSettings:
+    return ServerSettings(Path(session.path).name, session.cfg.max_position_embeddings, session.cfg.vocab_size,
+                          engine.block_manager.num_blocks * block_size, **kw)
+
+
+class AbortOnExitStreamingResponse(StreamingResponse):
+    """流式响应无论怎样结束（发完、客户端断开被取消、出错、服务器关闭时被取消），最后都取消这个请求剩下的样本。
+    放在响应对象上而不只放在生成器的 finally 里：客户端在第一个 chunk 之前就断开时，生成器可能一次都没被启动。"""
+
+    def __init__(self, handle: RequestHandle, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.abort()
+
+
+def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
+    metrics = aengine.metrics
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await aengine.start()
+        yield
+        app.state.clean_shutdown = await aengine.shutdown()    # uvicorn 已停止接收、等过了进行中的响应
+        log.info("engine stopped; every KV block free: %s", app.state.clean_shutdown)
+
+    app = FastAPI(title="llm-from-scratch step11", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.aengine, app.state.metrics, app.state.settings = aengine, metrics, s
+
+    # ---------- 错误：一律 OpenAI 形状的 JSON，不带 traceback ----------
+    def error(e: P.APIError) -> JSONResponse:
+        metrics.rejected.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):     # 不存在的路径 404、方法不对 405
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return error(P.APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e):
+        return error(P.APIError(400, str(e.errors()[0].get("msg", e))))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):
+        log.exception("internal error in %s %s", request.method, request.url.path)
+        return error(P.APIError(500, f"internal server error: {type(e).__name__}", "server_error"))
+
+    # ---------- 鉴权与请求体 ----------
+    async def require_api_key(request: Request) -> None:
+        if s.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not secrets.compare_digest(auth.encode(), f"Bearer {s.api_key}".encode()):   # 比较时间与内容无关
+            raise P.APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", "authentication_error",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_json(request: Request) -> dict:
+        """请求体有上限：先看 Content-Length，再边读边数（分块上传没有 Content-Length）。"""
+        limit = s.max_body_bytes
+        too_big = P.APIError(413, f"request body is larger than {limit} bytes")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        return P.parse_json(bytes(body))
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != s.model_name:
+            raise P.APIError(404, f"the model `{name}` does not exist (this server serves `{s.model_name}`)",
+                             "not_found_error", param="model")
+
+    # ---------- 提交给异步引擎，返回流式或完整的响应 ----------
+    async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
+        try:
+            handle = await aengine.add(inputs.requests, arrival)
+        except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
+            raise P.APIError(400, str(e)) from None
+        except ServerBusy as e:
+            raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
+        except EngineUnavailable as e:
+            raise P.APIError(503, str(e), "server_error") from None
+        shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
+        n = req.n
+
+        def usage() -> dict:
+            cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
+            return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
+        try:
+            texts, reasons = await until_done_or_disconnect(request, collect(handle))
+        finally:
+            handle.abort()
+        if texts is None:                           # 客户端已经走了：这个响应没人收
+            return Response(status_code=499)
+        return JSONResponse(shape.full(texts, reasons, usage(), handle))
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.perf_counter()
+        req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+        check_model(req.model)
+        ids = P.encode_chat(tok, req.messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        inputs = P.engine_inputs(req, [ids], max_tokens, default_max_tokens)
+        return await submit(request, req, inputs, True, 1, arrival)
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        arrival = time.perf_counter()
+        req = P.parse_request(P.CompletionRequest, await read_json(request))
+        check_model(req.model)
+        try:
+            prompts = P.encode_prompts(tok, req.prompt, s.vocab_size)
+        except UserError as e:
+            raise P.APIError(400, str(e), param="prompt") from None
+        max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
+        inputs = P.engine_inputs(req, prompts, max_tokens, default_max_tokens)
+        return await submit(request, req, inputs, False, len(prompts), arrival)
+
+    def default_max_tokens(ids: list[int]) -> int:
+        """chat 不给 max_tokens：一直生成到上下文用完（vLLM 的做法），但不超过池子一个请求最多能放的。"""
+        return max(1, min(s.context_len, s.pool_tokens) - len(ids))
+
+    @router.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": started,
+                                            "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
+
+    app.include_router(router)
+
+    @app.get("/health")
+    async def health():
+        if aengine.healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "error": str(aengine.error) if aengine.error else "shutting down"},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage):
+    """Delta → SSE chunk。chat 每个样本先发一个只有 role 的 chunk（它的第一个输出到来时，与 vLLM 相同）；
+    没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发，除非客户端要了 token id。"""
+    extra = {"usage": None} if include_usage else {}
+    started = set()
+    try:
+        async for d in handle.deltas():
+            if shape.chat and d.index not in started:
+                started.add(d.index)
+                yield P.sse({**shape.role_chunk(d.index), **extra})
+            if d.text or d.finish_reason or (shape.with_token_ids and d.token_ids):   # 要 token id 时一个也不能少
+                yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
+        if include_usage:
+            yield P.sse(shape.usage_chunk(usage()))
+    except EngineUnavailable as e:                  # 响应头已经发出，只能在流里报错（vLLM 也这样）
+        yield P.sse(P.APIError(503, str(e), "server_error").body())
+    yield P.sse("[DONE]")
+
+
+async def collect(handle: RequestHandle):
+    texts, reasons = [""] * len(handle.requests), [None] * len(handle.requests)
+    try:
+        async for d in handle.deltas():
+            texts[d.index] += d.text
+            reasons[d.index] = d.finish_reason or reasons[d.index]
+    except EngineUnavailable as e:
+        raise P.APIError(503, str(e), "server_error") from None
+    return texts, reasons
+
+
+async def until_done_or_disconnect(request: Request, work):
+    """非流式请求也要发现客户端断开（否则它走了，引擎还替它生成到 max_tokens）：同时等结果和 http.disconnect，
+    先来的那个赢。断开时返回 (None, None)。"""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done_task, listen = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({done_task, listen}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (done_task, listen):
+            if not t.done():
+                t.cancel()
+    if done_task.done() and not done_task.cancelled():
+        return done_task.result()
+    return None, None
+
+
+# ---------------- 运行服务器 ----------------
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class ServerThread:
+    """在后台线程里跑 uvicorn，监听 127.0.0.1 的一个空闲端口（测试、run.py 的章节模式、基准用）。
+    stop() 与 Ctrl-C 走同一条优雅关闭的路：停止接收 → 等进行中的响应（最多 shutdown_timeout 秒）→ 关引擎。"""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0):
+        self.app = app
+        self.sock = bind(host, port)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=shutdown_timeout))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="uvicorn")
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.perf_counter()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.perf_counter() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@contextmanager
+def serve_in_thread(session, engine, block_size: int, max_waiting: int = 64, **settings):
+    """把一个引擎挂到本机一个空闲端口上（run.py、chapter.py 用）：yield 跑着的 ServerThread，退出时优雅关闭。"""
+    aengine = AsyncLLMEngine(engine, session.tok, max_waiting)
+    app = build_app(aengine, session.tok, settings_for(session, engine, block_size, **settings))
+    server = ServerThread(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from common.cli import Parser, positive_int
+    from .engines import DEFAULT_ENGINE, ENGINES
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", help="默认只听本机；0.0.0.0 会对整个网络开放（配合 --api-key）")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="本地 HF 目录；默认 SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--api-key", default=None, help="给了就要求 Authorization: Bearer KEY（/v1 下的端点）")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES), help=f"服务哪一步的引擎（默认 {DEFAULT_ENGINE}）")
+    p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
+    return p
+
+
+def main(argv=None) -> None:
+    from common.cli import open_session
+    from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", default=DEFAULT_ENGINE)
+    with ExitStack() as stack:                  # step10 的 --tp/--pp：退出时先停引擎，再收掉 worker 进程
+        try:
+            parser = make_parser()
+            add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
+            args = parser.parse_args(argv)
+            session = open_session(args.model, args.device, args.dtype)
+            engine = stack.enter_context(serving_engine(args.engine, session, args))
+            sock = bind(args.host, args.port)
+        except UserError as e:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            sys.exit(2)
+        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
+        settings = settings_for(session, engine, args.block_size, api_key=args.api_key,
+                                max_body_bytes=args.max_body_bytes)
+        app = build_app(aengine, session.tok, settings)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+            log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
+                        args.host)
+        print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
+              f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
+        uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+
+if __name__ == "__main__":
+    main()

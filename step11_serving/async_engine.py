@@ -1,0 +1,250 @@
+"""异步引擎：HTTP 那一侧（很多并发请求、随时断开的客户端）与引擎那一侧（一个线程、一步一步）之间的一层。
+
+    HTTP 处理函数 ── add() ──▶ 待加入列表 ──（两步之间）──▶ engine.add_request
+          ▲                                                      │
+          │ await queue.get()                        engine.step()（在专用的一个线程里跑）
+          │                                                      │
+    每个 HTTP 请求一个 asyncio.Queue ◀── 增量解码 ◀── list[RequestOutput]
+    客户端断开 ── abort() ──▶ 待取消列表 ──（下一步之前）──▶ engine.abort（块立刻还回池子）
+
+- 只有一个后台任务（_loop）碰引擎：引擎不是线程安全的。HTTP 处理函数只往两个列表里放东西、叫醒它；它在两步
+  之间把新请求加进引擎、把要取消的取消掉，所以运行中来的请求下一步就进了正在跑的批（HTTP 上的连续批处理），
+  断开的客户端在下一步之前就还了块。
+- step() 放在一个线程里跑（run_in_executor），而不是直接在事件循环里调用：CPU 上真实模型的一步要几十到几百毫秒，
+  这段时间事件循环若被占住，就发不出 SSE、收不了新连接、发现不了断开，/health 也会超时。PyTorch 的算子执行时
+  释放 GIL，所以这一步在算的时候，事件循环照常处理 HTTP。只有一个线程：一步接一步，从不并发。
+  （vLLM V1 更进一步：引擎核心是另一个进程，用 ZMQ 收发请求和输出，连 Python 的调度开销都不跟 HTTP 抢 GIL。）
+- 一个 HTTP 请求的 n 个样本是 n 个引擎请求，共用这个 HTTP 请求的一个队列（Delta.index 区分）。
+"""
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .metrics import ServerMetrics
+
+log = logging.getLogger("step11_serving")
+STEP_STATS_KEPT = 1024     # 服务器只留引擎最近这么多步的账
+
+
+class ServerBusy(Exception):
+    """等待的请求已经到上限（→ 503 + Retry-After）：与其让队列无限长、每个人都超时，不如早点说"稍后再来"。"""
+
+
+class EngineUnavailable(Exception):
+    """正在关闭，或引擎出错停了（→ 503）。"""
+
+
+@dataclass
+class Delta:
+    """一个样本这一步的新东西。"""
+    index: int                          # 第几个样本（choices 的 index）
+    text: str                           # 可以显示的新文本（完整的字符，不含停止字符串）
+    token_ids: list[int]                # 这一步新产出的 token
+    finish_reason: Optional[str] = None  # 最后一个 Delta 才有："stop" / "length" / "abort"
+
+
+class RequestHandle:
+    """一个 HTTP 请求在异步引擎里的全部状态：n 个引擎请求、一个输出队列、每个样本的增量解码器与计时。"""
+
+    def __init__(self, owner: "AsyncLLMEngine", requests, arrival: float):
+        n = len(requests)
+        self.owner, self.requests, self.arrival = owner, requests, arrival
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.added = asyncio.get_running_loop().create_future()   # 引擎接下（或拒绝）这些请求时完成
+        self.request_ids: list[int] = []
+        self.detoks = [IncrementalDetokenizer(owner.tokenizer, r.stop) for r in requests]
+        self.first_token: list[Optional[float]] = [None] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.cached_tokens = [0] * n
+        self.finish_reasons: list[Optional[str]] = [None] * n
+        self.cancelled = False
+
+    async def deltas(self):
+        """按产出的顺序给出 Delta，直到 n 个样本都结束。"""
+        left = len(self.requests)
+        while left:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            left -= item.finish_reason is not None
+            yield item
+
+    def abort(self) -> None:
+        """客户端走了（或处理函数因任何原因退出）：还没结束的样本全部取消。重复调用、已结束时调用都没有影响。"""
+        self.owner._abort(self)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine, tokenizer, max_waiting: int = 64):
+        self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.metrics = ServerMetrics()           # /metrics 读它；状态快照与每个请求的计时都在这个循环里记
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._pending: list[RequestHandle] = []          # 等着在下一个间隙加进引擎
+        self._aborts: list[int] = []                     # 等着在下一个间隙取消的引擎请求 id
+        self._live: dict[int, tuple[RequestHandle, int]] = {}   # 引擎请求 id → (所属 HTTP 请求, 样本号)
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._closing = False
+        self.error: Optional[BaseException] = None
+        # 引擎状态的快照（循环在两步之间记下；别的协程只读这些，不碰引擎）
+        self.num_running = self.num_waiting = self.peak_running = self.num_steps = 0
+
+    # ---------------- HTTP 处理函数调用的 ----------------
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="engine-loop")
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._closing
+
+    def num_queued(self) -> int:
+        return self.num_waiting + sum(len(h.requests) for h in self._pending)
+
+    async def add(self, requests, arrival: Optional[float] = None) -> RequestHandle:
+        """把一个 HTTP 请求的引擎请求交给循环，等引擎接下。引擎的检查失败（提示词太长、池子放不下……）时抛出
+        它的 UserError；排队的已经太多时抛 ServerBusy。"""
+        if self.error is not None:
+            raise EngineUnavailable(f"the engine stopped after an error: {self.error}")
+        if self._closing:
+            raise EngineUnavailable("the server is shutting down")
+        if self.num_queued() + len(requests) > self.max_waiting:
+            raise ServerBusy(f"{self.num_queued()} requests are already waiting (limit {self.max_waiting})")
+        h = RequestHandle(self, requests, time.perf_counter() if arrival is None else arrival)
+        self._pending.append(h)
+        self._wake.set()
+        try:
+            await h.added
+        except asyncio.CancelledError:     # 客户端在排队时就走了
+            h.abort()
+            raise
+        return h
+
+    def _abort(self, h: RequestHandle) -> None:
+        if h.cancelled:
+            return
+        h.cancelled = True                 # 还在待加入列表里的：循环会跳过它
+        self._aborts += [rid for i, rid in enumerate(h.request_ids) if h.finish_reasons[i] is None]
+        if self._aborts:
+            self._wake.set()
+
+    async def shutdown(self) -> bool:
+        """优雅关闭的最后一步（uvicorn 已经停止接收、等过了正在进行的响应）：取消剩下的请求（还在听的客户端收到
+        finish_reason "abort"），跑完手上这一步，停下循环。返回 True 当且仅当引擎里每个块都还回来了。"""
+        self._closing = True
+        for h in self._pending:
+            if not h.added.done():
+                h.added.set_exception(EngineUnavailable("the server is shutting down"))
+        self._pending = []
+        self._aborts += list(self._live)
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+        bm = self.engine.block_manager
+        return self.error is None and not self._live and bm.num_free_blocks == bm.num_blocks
+
+    # ---------------- 循环：唯一碰引擎的地方 ----------------
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply()                              # 两步之间：加入新请求、取消断开的请求
+                self._snapshot()
+                if not self.engine.has_unfinished_requests():
+                    if self._closing:
+                        return
+                    self._wake.clear()                     # 没活：睡到下一个 add / abort
+                    await self._wake.wait()
+                    continue
+                outs = await loop.run_in_executor(self._executor, self._step)
+                self.num_steps += 1
+                self._dispatch(outs)
+        except Exception as e:                             # 引擎（或这一层）坏了：让每个等着的客户端都知道，不让它们挂着
+            self._fail(e)
+
+    def _step(self):
+        with torch.inference_mode():                       # 线程局部的：在引擎线程里打开
+            outs = self.engine.step()
+        # step05 起的引擎每一步记一行账（章节用它算统计）；服务器一直跑，只留最近的，内存不随运行时间增长
+        if isinstance(getattr(self.engine, "step_stats", None), list):
+            del self.engine.step_stats[:-STEP_STATS_KEPT]
+        return outs
+
+    def _apply(self) -> None:
+        pending, self._pending = self._pending, []
+        for h in pending:
+            if h.cancelled or h.added.done():
+                continue
+            try:
+                for r in h.requests:
+                    h.request_ids.append(self.engine.add_request(r))
+            except Exception as e:                         # 通常是 UserError：这个 HTTP 请求得到 400
+                for rid in h.request_ids:                  # n 个样本里前几个已经加进去了：一起撤回
+                    self.engine.abort(rid)
+                h.request_ids = []
+                h.added.set_exception(e)
+                continue
+            for i, rid in enumerate(h.request_ids):
+                self._live[rid] = (h, i)
+            h.added.set_result(None)
+        aborts, self._aborts = self._aborts, []
+        now = time.perf_counter()
+        for rid in aborts:
+            if rid in self._live:
+                h, i = self._live.pop(rid)
+                self.engine.abort(rid)                     # 块在这里就还回池子，下一步之前
+                self._finish(h, i, "abort", now)
+
+    def _dispatch(self, outs) -> None:
+        now = time.perf_counter()
+        for out in outs:
+            entry = self._live.get(out.request_id)
+            if entry is None:                              # 已经取消了的（引擎在下一步报告它 abort）
+                continue
+            h, i = entry
+            text = h.detoks[i].push(out.new_token_ids)
+            if out.new_token_ids:
+                h.token_ids[i] += out.new_token_ids
+                if h.first_token[i] is None:
+                    h.first_token[i] = now
+                    h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
+            if out.finished:
+                del self._live[out.request_id]
+                self._finish(h, i, out.finish_reason, now, text + h.detoks[i].finish(), out.new_token_ids)
+            else:
+                h.queue.put_nowait(Delta(i, text, out.new_token_ids))
+
+    def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
+        h.finish_reasons[i] = reason
+        h.queue.put_nowait(Delta(i, text, list(token_ids), reason))
+        self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
+                                      len(h.token_ids[i]), h.arrival, h.first_token[i], now)
+
+    def _snapshot(self) -> None:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        self.peak_running = max(self.peak_running, self.num_running)
+        self.metrics.snapshot(self.num_running, self.num_queued(), bm.num_blocks, bm.num_free_blocks)
+
+    def _fail(self, e: BaseException) -> None:
+        log.error("engine step failed; every request in flight gets an error", exc_info=e)
+        self.error = e
+        err = EngineUnavailable(f"the engine failed: {type(e).__name__}: {e}")
+        for rid, (h, _) in list(self._live.items()):
+            h.queue.put_nowait(err)
+            try:
+                self.engine.abort(rid)
+            except Exception:                              # 引擎已经坏了：尽力而为
+                pass
+        self._live.clear()
+        for h in self._pending:
+            if not h.added.done():
+                h.added.set_exception(err)
+        self._pending = []

@@ -1,0 +1,70 @@
+"""增量解码：一个请求的 token 陆续到来，文本陆续发出去，而且
+
+1. 不把一个字切成两半。一个汉字在 UTF-8 里是 3 个字节，字节级 BPE 的一个 token 可能只带其中 1～2 个字节：
+   单独解码这几个 token 得到的是替换符 U+FFFD（"�"）。所以只在新解码出的文本不以 U+FFFD 结尾时才发出。
+2. 与整段解码完全相同。每次只解码"上一次发出的那几个 token + 新 token"这个小窗口（vLLM 的 prefix_offset /
+   read_offset），新文本 = 窗口的解码去掉上一次那段的解码；结束时再整段解码一次，补上最后留着没发的部分。
+3. 不把停止字符串发出去。OpenAI 的语义：返回的文本到停止字符串之前为止、不含它。停止字符串可能跨好几个 token
+   陆续出现，所以文本末尾"可能是某个停止串开头"的那一段先留着，确定不是再发。
+
+引擎自己判断停止字符串（step02 起：生成的文本里出现就结束），这里只负责把文本截在它前面。
+"""
+from typing import Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.prefix_offset = 0     # 窗口从这里开始：上一次发出的那几个 token
+        self.read_offset = 0       # 已经变成文本的 token 到这里为止
+        self.text = ""             # 已解码出的完整字符
+        self.sent = 0              # 其中已经发出去的字符数
+        self.stopped = False       # 已经遇到停止字符串：之后什么也不发
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """新来的 token → 现在可以发出去的文本（可能是空串）。"""
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith(REPLACEMENT):
+            self.text += new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """请求结束：整段解码为准（半个字符到最后也没补全时，这里按解码器的规则变成 U+FFFD），发出剩下的全部。"""
+        full = self.tokenizer.decode(self.ids)
+        if full.startswith(self.text):
+            self.text = full
+        else:   # 不应发生：发出去的文本收不回来，只能接着整段解码里对应的位置往后发
+            self.text = self.text[:self.sent] + full[self.sent:]
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = len(self.text)
+        if self.stop:
+            start = max(0, self.sent - max(map(len, self.stop)))   # 停止串不可能整个落在已发出的部分里
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                end, self.stopped = min(hits), True
+            elif not final:
+                end -= self._held_back()
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _held_back(self) -> int:
+        """文本末尾最长的一段、它是某个停止串的开头（但不是整个停止串）：这么多字符先不发。"""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,122 @@
+"""服务器能挂哪一步的引擎：step05 起每一步的 engine.py 都有同样的 step API（LLMEngine / EngineConfig，
+add_request / step / abort），服务器只认这套 API，所以任何一步都能拿来服务。
+
+加一步只要在 ENGINES 里加一行。每一步的引擎参数直接从它的 EngineConfig 的字段生成
+（num_blocks → --num-blocks，max_num_batched_tokens → --max-num-batched-tokens，kv_dtype → --kv-dtype……），
+所以服务器的参数永远与那一步的引擎一致，不用在这里再抄一遍。step10 另有 --tp / --pp：服务器进程就是 rank 0，
+其余 rank 是它起的子进程（step10_tensor_parallel/distributed.py 的 launch），服务器关闭时一起收掉。
+"""
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import typing
+
+from common.cli import positive_int
+from common.errors import UserError
+
+ENGINES = {                       # --engine 的名字 → 那一步的包
+    "step05": "step05_paged",
+    "step06": "step06_prefix_cache",
+    "step07": "step07_chunked_prefill",
+    "step08": "step08_kv_quant",
+    "step09": "step09_speculative",
+    "step10": "step10_tensor_parallel",
+}
+DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
+PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
+DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数（与各步 run.py 相同）
+# 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
+FLAG_NAMES = {"enable_prefix_caching": "--prefix-cache"}
+
+
+def engine_module(name: str):
+    if name not in ENGINES:
+        raise UserError(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    try:
+        mod = importlib.import_module(f"{ENGINES[name]}.engine")
+    except ImportError as e:
+        raise UserError(f"cannot import engine {name}: {e}") from None
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget")):
+        raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
+    return mod
+
+
+def _fields(config_cls):
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t   # Optional[X] → X
+        default = None if f.default is dataclasses.MISSING else f.default
+        yield f, base, default
+
+
+def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """把那一步 EngineConfig 的每个字段加成一个命令行参数（默认值取自 EngineConfig 本身）。"""
+    g = parser.add_argument_group(f"{name} 的引擎参数（来自 {ENGINES[name]}.engine.EngineConfig）")
+    for f, base, default in _fields(engine_module(name).EngineConfig):
+        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        if base is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        elif base is int:
+            g.add_argument(flag, dest=f.name, type=positive_int, default=default, metavar="N")
+        elif base is float:
+            g.add_argument(flag, dest=f.name, type=float, default=default)
+        else:
+            g.add_argument(flag, dest=f.name, type=str, default=default)
+    if name in PARALLEL_ENGINES:
+        g.add_argument("--tp", type=positive_int, default=1, help="张量并行的进程数（要整除头数；只用 CPU + gloo）")
+        g.add_argument("--pp", type=positive_int, default=1, help="流水线并行的 stage 数")
+
+
+@contextlib.contextmanager
+def parallel_group(name: str, session, args):
+    """step10 的 --tp × --pp > 1：起其余的 rank（本进程是 rank 0），把 session.model 换成 rank 0 的那一份；
+    yield 的 ParallelContext 交给 build_engine。其余情况 yield None，什么也不起。退出时（正常、出错、Ctrl-C）
+    worker 一个不剩地收掉。"""
+    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    if tp * pp == 1:
+        yield None
+        return
+    from step10_tensor_parallel.distributed import launch, serve_worker
+    from step10_tensor_parallel.parallel_layers import check_parallel, load_shard
+    if session.device != "cpu":
+        raise UserError("--tp/--pp > 1 run CPU processes over gloo here: use --device cpu")
+    check_parallel(session.cfg, tp, pp)
+    with launch(tp, pp, serve_worker, (session.path, session.device, session.dtype)) as parallel:
+        session.model = load_shard(session.path, parallel, session.device, session.dtype)
+        yield parallel
+
+
+def build_engine(name: str, session, args, parallel=None):
+    """按命令行参数建那一步的引擎。num_blocks 没给时用那一步自己的 num_blocks_for_budget 按 DEFAULT_KV_MIB 换算
+    （step08 的量化池子每 token 字节更少，同样的预算放更多块；step10 的每个 rank 只有自己那份层与头，按它的配置算）。
+    parallel：parallel_group 给的 ParallelContext（step10 的 --tp/--pp > 1）。"""
+    from common.clock import WallClock
+    mod = engine_module(name)
+    kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
+    if "num_blocks" not in kw:
+        extra = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
+        kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
+                                                         DEFAULT_KV_MIB, **extra))
+    try:
+        config = mod.EngineConfig(**kw)
+        extra = {"parallel": parallel} if parallel is not None else {}
+        return mod.LLMEngine(session.model, config, tokenizer=session.tok, eos_ids=session.tok.eos_ids,
+                             clock=WallClock(), **extra)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad engine settings for {name}: {e}") from None
+
+
+@contextlib.contextmanager
+def serving_engine(name: str, session, args):
+    """建那一步的引擎来服务（api_server、run.py、chapter 用）；step10 的 --tp/--pp > 1 时先起其余的 rank。
+    退出时先停引擎（worker 那边的引擎跟着结束），再收掉 worker 进程。"""
+    with parallel_group(name, session, args) as parallel:
+        engine = build_engine(name, session, args, parallel)
+        try:
+            yield engine
+        finally:
+            if parallel is not None:
+                engine.close()

@@ -1,0 +1,276 @@
+"""OpenAI 兼容 API 的线上格式：请求体的检查、请求 → 引擎的 Request、响应与流式 chunk 的形状、错误体。
+
+字段与 vLLM 的 OpenAI 服务器（vllm/entrypoints/openai/ 下的 protocol / serving_chat / serving_completion）相同：
+- 非流式：{"id", "object": "chat.completion" | "text_completion", "created", "model", "choices": [...], "usage"}；
+- 流式（SSE，每个事件一行 `data: <json>` 加一个空行）：每个 chunk 的 id 与 created 相同；chat 先发一个只有
+  role 的 chunk，之后是 delta.content，最后一个带 finish_reason；stream_options.include_usage 时再发一个
+  choices 为空、带 usage 的 chunk（此前每个 chunk 的 usage 都是 null）；最后是 `data: [DONE]`；
+- 错误：{"error": {"message", "type", "param", "code"}}，code 是 HTTP 状态码（vLLM 的做法）。
+
+数值字段严格按 JSON 类型检查（"0.5" 不是数字、"yes" 不是布尔值），取值范围由 step02 的 SamplingParams.validate
+和引擎的 add_request 检查——同一份规则，命令行和 HTTP 给出同样的错误信息。
+"""
+import json
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from common.errors import UserError
+from step02_sampling.sampler import SamplingParams
+from step04_static_batching.request import Request
+
+MAX_N = 16                      # 一个请求最多要几个样本（OpenAI 允许 128；CPU 上 16 已经是好几批）
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # /v1/completions 不给 max_tokens 时的默认值（OpenAI 与 vLLM 都是 16）
+
+Number = Annotated[float, Field(strict=True)]   # 接受 JSON 的整数和小数，不接受字符串
+
+
+class APIError(Exception):
+    """变成一个 OpenAI 形状的 JSON 错误响应。"""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")    # 不认识的字段忽略（vLLM 也是）；认识但不支持的字段见 _reject_unsupported
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _SamplingRequest(_Model):
+    """两个端点共用的字段。默认值与 OpenAI 相同（temperature 1）；top_k / min_p / repetition_penalty /
+    ignore_eos 是 vLLM 加的扩展字段，openai 客户端经 extra_body 发送。"""
+    model: Optional[StrictStr] = None
+    n: StrictInt = 1
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    seed: Optional[StrictInt] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
+    logprobs: object = None      # 不支持：给了非默认值就 400
+    best_of: object = None
+    echo: object = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[StrictInt] = None   # 新版 OpenAI 的名字；优先于 max_tokens
+    top_logprobs: object = None
+    tools: object = None
+
+
+class CompletionRequest(_SamplingRequest):
+    # 一个字符串、一串 token id，或它们的列表（批量：choices 的 index = 第几个提示词 × n + 第几个样本）
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+
+
+def parse_json(raw: bytes) -> dict:
+    """请求体 → dict。NaN / Infinity 不是合法 JSON（Python 的 json 默认却接受），这里拒绝。"""
+    def no_constants(name):
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        obj = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return obj
+
+
+def parse_request(cls, obj: dict):
+    try:
+        req = cls.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
+                       param=str(err["loc"][0]) if err["loc"] else None) from None
+    _reject_unsupported(req)
+    return req
+
+
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+               "tools": (None, [])}     # 字段 → 允许的值（都等于"没用这个功能"）
+
+
+def _reject_unsupported(req: _SamplingRequest) -> None:
+    for name, allowed in UNSUPPORTED.items():
+        if getattr(req, name, None) not in allowed:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options can only be given together with stream=true", param="stream_options")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+@dataclass
+class EngineInputs:
+    """一个 HTTP 请求变成的引擎请求：len(prompts) × n 个 Request，顺序就是 choices 的 index。"""
+    requests: list[Request]
+    prompt_tokens: int           # usage.prompt_tokens：每个提示词算一次（n 个样本共用同一个提示词）
+
+
+def encode_chat(tok, messages: list[ChatMessage]) -> list[int]:
+    """按模型自己的对话模板把整段对话排成 token（与 `--chat` 相同：模板里已经有特殊 token，不再加）。"""
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    if not tok.hf.chat_template:
+        raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+    conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        text = tok.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as e:   # 模板自己的 raise_exception（例如角色顺序不对）
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    return tok.hf(text, add_special_tokens=False).input_ids
+
+
+def encode_prompts(tok, prompt, vocab_size: int) -> list[list[int]]:
+    """/v1/completions 的 prompt → 每个提示词的 token id。直接给 token id 时要检查范围：越界的 id 会让嵌入层
+    在引擎的 step 里出错，连累同一批的所有请求。"""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    out = []
+    for p in prompt:
+        ids = tok.encode(p) if isinstance(p, str) else list(p)   # 字符串：Tokenizer.encode 对空串抛 UserError
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if not all(0 <= t < vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def sampling_params(req: _SamplingRequest) -> SamplingParams:
+    """OpenAI 的默认值（temperature 1、top_p 1）；top_k 的 -1 是 vLLM 的"不限制"，我们的是 0。"""
+    top_k = req.top_k if req.top_k is not None else 0
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_k=0 if top_k == -1 else top_k,
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        seed=req.seed)
+    try:
+        params.validate()
+    except UserError as e:
+        raise APIError(400, str(e)) from None
+    return params
+
+
+def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: Optional[int],
+                  default_max_tokens) -> EngineInputs:
+    """max_tokens 为 None 时用 default_max_tokens(prompt_ids)（chat：一直生成到上下文或池子放不下为止）。
+    n 个样本的种子是 S, S+1, ..., S+n-1（与 step06 的 --n 相同），所以与引擎直接生成的样本逐 token 相同。"""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if max_tokens is not None and max_tokens <= 0:
+        raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
+    params = sampling_params(req)
+    requests = []
+    for ids in prompts:
+        n_new = max_tokens if max_tokens is not None else default_max_tokens(ids)
+        for k in range(req.n):
+            p = params if params.seed is None else replace(params, seed=params.seed + k)
+            requests.append(Request(ids, n_new, p, ignore_eos=req.ignore_eos, stop=stop))
+    return EngineInputs(requests, sum(len(ids) for ids in prompts))
+
+
+# ---------------- 响应 ----------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sse(obj) -> str:
+    """一个 SSE 事件。ensure_ascii=False：中文按 UTF-8 原样发出，不变成 \\uXXXX。"""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class ResponseShape:
+    """chat 与 completions 两个端点在线上只差这几处。"""
+    chat: bool
+    id: str
+    model: str
+    created: int
+    with_token_ids: bool = False
+
+    @classmethod
+    def new(cls, chat: bool, model: str, with_token_ids: bool = False) -> "ResponseShape":
+        return cls(chat, new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), with_token_ids)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # 流式
+    def role_chunk(self, index: int) -> dict:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def delta_chunk(self, index: int, text: str, finish_reason: Optional[str], token_ids: list[int]) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": index, "text": text}
+        extra = {"token_ids": token_ids} if self.with_token_ids else {}
+        return self._chunk({**choice, "logprobs": None, "finish_reason": finish_reason, **extra})
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": u}
+
+    # 非流式
+    def full(self, texts: list[str], finish_reasons: list[str], u: dict, handle=None) -> dict:
+        """handle：with_token_ids 时从它取每个样本的提示词 / 输出 token 和前缀缓存命中数（num_cached_tokens 是我们的扩展）。"""
+        choices = []
+        for i, (t, f) in enumerate(zip(texts, finish_reasons)):
+            body = {"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}
+            c = {"index": i, **body, "logprobs": None, "finish_reason": f}
+            if self.with_token_ids:
+                c.update(prompt_token_ids=handle.requests[i].prompt_ids, token_ids=handle.token_ids[i],
+                         num_cached_tokens=handle.cached_tokens[i])
+            choices.append(c)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices, "usage": u}
+
