@@ -193,10 +193,15 @@ class Session:
         return self.model(x, pos)[0]
 
 
-def load_session(args) -> Session:
-    if getattr(args, "compile", None) and args.prompt is None:   # 在加载模型之前就报错
+def check_compile_args(args) -> None:
+    """--compile 只用于生成模式（章节模式比较的是 eager 的引擎）。在加载模型之前就报错。"""
+    if getattr(args, "compile", None) and args.prompt is None:
         raise UserError("--compile is for generation mode (--prompt ...); the chapter compares eager engines "
                         "(compiled numbers: python bench/decode_speed.py)")
+
+
+def load_session(args) -> Session:
+    check_compile_args(args)
     return open_session(args.model, args.device, args.dtype)
 
 

@@ -66,6 +66,7 @@ def main(args) -> bool:
     num_blocks = args.num_blocks or step09.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens,
                         draft_model=cli.load_draft_model(args, s))
+    cli.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]

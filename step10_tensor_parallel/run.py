@@ -55,6 +55,10 @@ def check_args(args) -> None:
         raise UserError("--no-chunked-prefill runs step06's engine in one process: drop --tp/--pp")
     if args.tp * args.pp > 1 and args.device == "cuda":
         raise UserError("--tp/--pp > 1 run CPU processes over gloo here (GPUs would use NCCL): use --device cpu")
+    cli.check_compile_args(args)
+    if args.tp * args.pp > 1 and args.compile:
+        raise UserError("--compile compiles one process's decode: drop --tp/--pp (each shard's forward all-reduces "
+                        "across processes)")
 
 
 def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
@@ -101,6 +105,7 @@ def main(args) -> bool:
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
         s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
         engine = engine_for(args, s, num_blocks, parallel, cli.load_draft_model(args, s))
+        cli.compile_if_asked(args, engine)
         outputs, st = engine.generate(requests)
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)
