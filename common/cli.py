@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from . import compiled_decode
 from .config import ModelConfig
 from .device import pick_device, pick_dtype
 from .errors import UserError
@@ -73,6 +72,7 @@ def add_paged_args(p: Parser, default_kv_mib: int) -> None:
     g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
     g.add_argument("--attention", choices=("paged", "gather"), default="paged",
                    help="读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）")
+    from . import compiled_decode            # 只有 step05 起的 run.py 用到（它引用第 05 章的注意力内核）
     g.add_argument("--compile", nargs="?", const=compiled_decode.DEFAULT_MODE, default=None,
                    choices=compiled_decode.MODES, metavar="MODE",
                    help="生成模式：decode 步用 torch.compile 按批大小桶各编译一张静态形状的图（common/compiled_decode.py）；"
@@ -83,7 +83,8 @@ def add_paged_args(p: Parser, default_kv_mib: int) -> None:
 def compile_if_asked(args, engine) -> None:
     """--compile：把引擎的 decode 换成编译好的图（先把每个桶编译一遍，带进度条）。"""
     if getattr(args, "compile", None):
-        compiled_decode.compile_engine(engine, mode=args.compile)
+        from .compiled_decode import compile_engine
+        compile_engine(engine, mode=args.compile)
 
 
 def add_prefix_cache_args(p: Parser) -> None:

@@ -21,14 +21,14 @@ CompiledDecodeModel 看起来就是模型：同样的调用 model(input_ids, pos
      写 K/V 是下面的 write_kv_ 算子：编译器把它们当成图里的一个节点，不往里看；
   4. 只把真实行的 logits 按引擎给的顺序（logits_index）交回去：补齐的行从不被采样。
 
-为什么补齐而不是每个 B 编译一张：真实模型编译一张图要几十秒（docs/appendix_performance.md 的表），而补齐多算的是几行
-矩阵乘——decode 每步把权重读一遍，行数从 R 变到 Bp 读的字节几乎不变。桶按 2 的幂取，最多多算不到一倍的行，
-max_batch_size = 8 时只有 4 张图。
+为什么补齐而不是每个 B 编译一张：真实模型编译一张图要几十秒、还要占内存（docs/appendix_performance.md 的表），
+而补齐多算的只是几行——权重每步照样只读一遍，多的是算术（附录里批 4 → 批 8 一步多 8%）。桶按 2 的幂取，
+最多多算不到一倍的行，max_batch_size = 8 时只有 4 张图。
 
 编译缓存：inductor 把编译好的内核和图存在磁盘上，下一个进程命中时只剩 dynamo 追踪的几秒（use_inductor_cache_dir）。
 目录是 <缓存目录>/inductor（缓存目录默认 ~/.cache/llm-from-scratch，环境变量 LLM_FROM_SCRATCH_CACHE 可改；
 已设置 TORCHINDUCTOR_CACHE_DIR 时用它）。清掉：rm -rf ~/.cache/llm-from-scratch/inductor。
-编好的内核里写死了线程数（torch.get_num_threads()）：换了线程数就是另一份缓存、另一次编译。
+编好的内核里写死了线程数（torch.get_num_threads()），dynamo 也按它守卫图：换了线程数就是另一份缓存、另一次编译。
 
 CUDA：同一份代码，同样的图，不用 CUDA graph（mode="reduce-overhead"）——注意力算子在 CUDA 上走 gather，它在主机上读
 query_lens 的最大值，这种同步不能录进 CUDA graph。这台机器没有 GPU，CUDA 上没有测过。
@@ -42,6 +42,8 @@ from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
+
+from step05_paged.paged_attention import paged_attention_op   # 第 05 章的内核，注册成了 PyTorch 算子
 
 from .errors import UserError
 from .prepare import cache_root
@@ -88,7 +90,8 @@ def write_kv_(pool: torch.Tensor, layer_idx: int, slot_mapping: torch.Tensor, k:
     """pool[layer_idx] 的第 slot_mapping[i] 个槽 ← k[i]、v[i]（各 (Bp, H_kv, D)），原地写。
 
     为什么是一个算子：编译器先把图改写成不带原地修改的形式（函数化），池子的一个视图上的原地写入会变成
-    "复制整个池子、改几个槽"，再拷回去——每层、每步搬一遍几百 MiB（生成的代码里看得到这几次 empty_strided + 拷贝）。
+    "复制、改几个槽、再拷回去"——生成的代码里每层多一个这一层 K/V 大小的缓冲区，最后还有一次整个池子的拷贝，
+    每步至少把整个池子搬一遍（默认的 256 MiB 池子就是 256 MiB）。
     注册成声明了 mutates_args=("pool",) 的算子，编译器就知道它原地改池子，生成的代码直接在池子上调用它，一个字节不复制。"""
     layer = pool[layer_idx]                                            # (2, num_blocks+1, H_kv, bs, D)：视图
     bs = layer.shape[3]
@@ -112,7 +115,6 @@ class PaddedDecode:
         self.block_tables, self.seq_lens, self.query_lens = block_tables, seq_lens, query_lens  # (Bp, W), (Bp,), (Bp,)
 
     def attend(self, layer_idx: int, q, k, v):
-        from step05_paged.paged_attention import paged_attention_op
         write_kv_(self.pool, layer_idx, self.slot_mapping, k[:, :, 0], v[:, :, 0])   # (Bp, H_kv, 1, D) -> (Bp, H_kv, D)
         layer = self.pool[layer_idx]
         out = paged_attention_op(q[:, :, 0], layer[0], layer[1], self.block_tables, self.seq_lens,
@@ -122,7 +124,7 @@ class PaddedDecode:
 
 class DecodeStep(torch.nn.Module):
     """一个补齐到桶的 decode 步：input_ids / positions (Bp, 1) → logits (Bp, V)。编译的就是它。
-    写成持有模型的模块（而不是把模型当参数传给一个函数）：模型的权重是图自己的参数，freezing 才能把它们当常数。"""
+    写成持有模型的模块：模型的权重是这个模块的参数，freezing 把它们当常数（见 CompiledDecodeModel.compiling）。"""
 
     def __init__(self, model):
         super().__init__()
