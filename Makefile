@@ -25,8 +25,11 @@ $(VENV)/.installed: requirements.txt
 demo: setup
 	@set -e; for s in $(STEPS); do echo "===== $$s ====="; $(PY) $$s $(QUICK); done
 
+# 两个 pytest 进程并行（pytest-xdist），每个单线程：2 核上比一个进程两个线程快（tests/conftest.py）
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q tests --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests --durations=15
 
 patches:
 	$(PYTHON) docs/patches/make_patches.py

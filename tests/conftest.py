@@ -17,6 +17,12 @@ from common.weights import load_model  # noqa: E402
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
+# make test 用 pytest -n 2（pytest-xdist）：两个 worker 进程各占一个核。每个 worker 与它启动的子进程（run.py、notebook、
+# torchrun）都只用一个线程：2 核上 2 个 worker × 2 个线程会互相等待（超订），比一个一个跑还慢。
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """用 transformers 的配置类离线造一个随机小模型（hidden 64，4 个 query 头 / 2 个 KV 头），存成 HF 目录。
@@ -91,11 +97,37 @@ def tiny_tok_dir(tmp_path_factory) -> Path:
     return path
 
 
-def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None) -> subprocess.CompletedProcess:
-    """像学习者一样在命令行运行某一步的 run.py。threads：限定 torch 的线程数（随机小模型用 1，见 single_thread_for_tiny_models）。"""
-    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None,
+           subprocess_: bool = False) -> subprocess.CompletedProcess:
+    """像学习者一样运行某一步的 run.py：与命令行同一条路（make_parser → cli.run_main → 退出码），stdout / stderr 截下来。
+    默认在本进程里跑（省掉每次启动进程、import torch 与 transformers 的几秒，make test 里这样的调用有十几个）；
+    subprocess_=True 时真的启动一个进程（threads：限定它的 torch 线程数），用于"进程本身"的行为：traceback 会不会漏到
+    终端、两个进程同一个种子是否相同。"""
+    if subprocess_:
+        env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        return subprocess.run([sys.executable, str(ROOT / step / "run.py"), *args],
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    import contextlib
+    import importlib
+    import io
+
+    from common import cli
+    module = importlib.import_module(f"{step}.run")
+    parser = module.make_parser() if hasattr(module, "make_parser") else cli.make_parser(module.STEP)
+    out, err = io.StringIO(), io.StringIO()
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.run_main(parser, module.main, list(args))
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        torch.set_num_threads(before)
+    return subprocess.CompletedProcess([step, *args], code, out.getvalue(), err.getvalue())
 
 
 def cli_error(run_module, argv: list[str], capsys) -> str:

@@ -129,7 +129,7 @@ def test_unknown_architecture(model_copy, capsys):
 def test_no_traceback_reaches_the_terminal(model_copy):
     """真正的进程：加载坏权重的错误从深处抛出，用户看到的仍只有一行 `error:`、退出码 2，stdout 为空。"""
     edit_weights(model_copy, drop_tensor)
-    r = run_py("step01_naive", "--model", str(model_copy), "--prompt", "hi", timeout=300)
+    r = run_py("step01_naive", "--model", str(model_copy), "--prompt", "hi", timeout=300, subprocess_=True)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "missing" in r.stderr and r.stdout == ""

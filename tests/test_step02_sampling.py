@@ -330,8 +330,8 @@ def test_greedy_equals_step01_real_prompts(real):
 
 # ---------------------------------------------------------------- run.py
 
-def gen_json(*args) -> dict:
-    r = run_py("step02_sampling", *args, "--json")
+def gen_json(*args, subprocess_: bool = False) -> dict:
+    r = run_py("step02_sampling", *args, "--json", subprocess_=subprocess_)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -346,10 +346,10 @@ def test_run_py_greedy_equals_step01(real):
 
 
 def test_run_py_seed_reproducible_across_processes(real):
-    """两个进程、同一个种子 → 相同的 output_ids，也等于本进程里直接调用引擎的结果。"""
+    """另一个进程与本进程、同一个种子 → 相同的 output_ids，也等于本进程里直接调用引擎的结果。"""
     args = ("--prompt", "Once upon a time", "--max-new-tokens", "8", "--ignore-eos",
             "--temperature", "1.2", "--top-p", "0.95", "--seed", "7")
-    a, b = gen_json(*args), gen_json(*args)
+    a, b = gen_json(*args, subprocess_=True), gen_json(*args)
     assert a["results"][0]["output_ids"] == b["results"][0]["output_ids"]
     ids = a["results"][0]["prompt_ids"]
     here = generate(real.model, ids, 8, SamplingParams(temperature=1.2, top_p=0.95, seed=7), ignore_eos=True)
