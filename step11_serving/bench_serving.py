@@ -2,7 +2,8 @@
 
     bash bench/llama_server/build.sh                               # 只需一次：编译 llama-server（2 核上约 5 分钟）
     .venv/bin/python step11_serving/bench_serving.py [--quick] [--json]
-        [--concurrency 1,4,8,16] [--repeats 3] [--threads 2] [--max-batch-size 8] [--engine step08] [--llama-server PATH]
+        [--concurrency 1,4,8,16] [--repeats 3] [--threads 2] [--max-batch-size 8] [--engine step10] [--llama-server PATH]
+        [--compile [MODE]]     # 再加一个带 --compile 的我们的服务器
 
 负载：多轮对话。所有对话共用一段系统提示词；每段对话 T 轮，每轮把整段历史（系统提示 + 之前的问答 + 新问题）发出去，
 等这一轮的流式回答收完再问下一轮（和聊天页面一样的闭环）。并发 c = 同时进行的对话数。每个回答正好 M 个 token
@@ -81,11 +82,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 class Server:
     """一个作为子进程跑着的 OpenAI 兼容服务器。"""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, port: int):
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, port: int, ready_timeout: float = 300):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_ready(self.url, self.proc)
+        wait_ready(self.url, self.proc, ready_timeout)
 
     def stop(self) -> None:
         self.proc.terminate()           # SIGTERM：两边都是优雅关闭
@@ -242,6 +243,10 @@ def main(args) -> bool:
         port = free_port()
         servers["ours"] = Server("ours", ours_cmd + ["--port", str(port)], {**env, "PYTHONPATH": root},
                                  tmp / "ours.log", port)
+        if args.compile:                # 同一个服务器加 --compile：开始服务前先编译每个桶（第一次几分钟）
+            port = free_port()
+            servers["ours-compiled"] = Server("ours-compiled", ours_cmd + ["--port", str(port), "--compile", args.compile],
+                                              {**env, "PYTHONPATH": root}, tmp / "ours_compiled.log", port, 1800)
         if not llama_bin.is_file():
             print(f"没有找到 llama-server（{llama_bin}）：只测我们自己的服务器。编译它：bash bench/llama_server/build.sh")
         elif model_dir.resolve() != default_model_dir().resolve():
@@ -281,7 +286,7 @@ def main(args) -> bool:
                 allr = [r for res, _ in runs for r in res]
                 ttft = [r.ttft for r in allr]
                 tpot = [r.tpot for r in allr]
-                key = "ours" if name == "ours" else "llama_server"
+                key = {"ours": "ours", "ours-compiled": "compiled", "llama-server": "llama_server"}[name]
                 figures.update({f"{key}_tok_s_c{c}": round(tok_s, 2),
                                 f"{key}_ttft_p50_ms_c{c}": round(pct(ttft, .5) * 1e3, 1),
                                 f"{key}_ttft_p99_ms_c{c}": round(pct(ttft, .99) * 1e3, 1),
@@ -295,11 +300,23 @@ def main(args) -> bool:
                     figures[f"ours_tok_s_c{c}"] / figures[f"llama_server_tok_s_c{c}"], 3)
                 figures[f"ttft_p50_ratio_vs_llama_server_c{c}"] = round(
                     figures[f"ours_ttft_p50_ms_c{c}"] / figures[f"llama_server_ttft_p50_ms_c{c}"], 3)
+                if "ours-compiled" in servers:
+                    figures[f"compiled_throughput_ratio_vs_llama_server_c{c}"] = round(
+                        figures[f"compiled_tok_s_c{c}"] / figures[f"llama_server_tok_s_c{c}"], 3)
+            if "ours-compiled" in servers:
+                figures[f"compiled_throughput_ratio_vs_eager_c{c}"] = round(
+                    figures[f"compiled_tok_s_c{c}"] / figures[f"ours_tok_s_c{c}"], 3)
         print(table(["并发", "服务器", "输出 token/s", "TTFT p50 (ms)", "TTFT p99", "TPOT p50 (ms)", "TPOT p99",
                      "平均提示词 token"], rows))
         if "llama-server" in servers:
             print("我们 ÷ llama-server：" + "  ".join(
                 f"c={c} 吞吐 {figures[f'throughput_ratio_vs_llama_server_c{c}']:.2f}×" for c in levels))
+            if "ours-compiled" in servers:
+                print("我们（--compile）÷ llama-server：" + "  ".join(
+                    f"c={c} 吞吐 {figures[f'compiled_throughput_ratio_vs_llama_server_c{c}']:.2f}×" for c in levels))
+        if "ours-compiled" in servers:
+            print("--compile ÷ eager（我们的服务器）：" + "  ".join(
+                f"c={c} 吞吐 {figures[f'compiled_throughput_ratio_vs_eager_c{c}']:.2f}×" for c in levels))
         print(f"我们的前缀缓存命中率（整个负载，多轮对话的历史 + 共用的系统提示词）：{figures['prefix_cache_hit_rate']:.1%}")
         figures.update(asyncio.run(disconnect_soak(servers["ours"].url, 32, max_tokens)))
         print("断开浸泡：" + "，".join(f"{k.removeprefix('disconnect_soak_')} {v}" for k, v in figures.items()
@@ -331,6 +348,9 @@ def make_parser():
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="= llama-server 的 --parallel")
     p.add_argument("--engine", default=DEFAULT_ENGINE)
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
+    from common.compiled_decode import DEFAULT_MODE, MODES
+    p.add_argument("--compile", nargs="?", const=DEFAULT_MODE, default=None, choices=MODES, metavar="MODE",
+                   help="再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
     return p
 
 

@@ -59,7 +59,7 @@ def step02_reference(model, ids: list[int], n: int, params: SamplingParams, eos_
 
 # 长提示词的第一个贪心 token 就是 EOS：用 ignore_eos 生成满 n 个，才有 n 个 token 可比
 REAL_CASES = ([(name, text, chat, 12, False) for name, text, chat in CHAPTER_PROMPTS[:2]]
-              + [("long", LONG_PROMPT, False, 6, True)])
+              + [("long", LONG_PROMPT, False, 3, True)])   # 长提示词每个参考 token 整段重算几百个位置：3 个够了
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
@@ -94,8 +94,8 @@ def test_stop_string_like_step02(real):
 def test_decode_logits_match_full_recompute_real(real):
     """长提示词（几百个 token）上，每个 decode 步的 logits 与整段重算同一位置的 logits 只差浮点末位。"""
     ids = real.encode(LONG_PROMPT)
-    out, got = step_logits(real.model, ids, 6, "prealloc")
-    ref = real.full_logits(ids + out[:-1])[len(ids) - 1:]                    # (6, V)
+    out, got = step_logits(real.model, ids, 4, "prealloc")
+    ref = real.full_logits(ids + out[:-1])[len(ids) - 1:]                    # (4, V)
     assert (got - ref).abs().max() < 1e-3
 
 

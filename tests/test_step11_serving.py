@@ -586,3 +586,30 @@ def test_step10_tensor_parallel_engine_is_served(tiny_tok_dir):
     c = compare("tp2", ids, ref, got, full.full_logits, MARGIN_TOL[full.dtype])
     assert c.ok, c.describe()
     assert not multiprocessing.active_children()
+
+
+def test_compiled_engine_is_served_and_equals_eager(tiny_session):
+    """--compile：服务器的引擎换成编译好的 decode（批上限 1：一个桶、一张图），step() 在服务器的引擎线程里调用它；
+    流式 == 非流式 == eager 引擎直接生成（贪心与带种子的采样）。"""
+    from step11_serving.api_server import compile_if_asked
+    engine = real_engine("step10", tiny_session, "--max-batch-size", "1")
+    compile_if_asked(argparse.Namespace(compile="default", tp=1, pp=1), engine)
+    from common.compiled_decode import CompiledDecodeModel
+    assert isinstance(engine.model, CompiledDecodeModel)
+    server = Served(engine, tiny_session.tok)
+    try:
+        for temperature in (0.0, 0.9):
+            check_equal_three_ways(server, tiny_session.tok,
+                                   lambda: real_engine("step10", tiny_session, "--max-batch-size", "1"), temperature)
+        server.wait_idle()
+        assert server.pool_is_free() and sum(s.calls for s in engine.model.stats.values()) > 0
+    finally:
+        server.stop()
+
+
+def test_compile_with_tp_is_one_error_line(tiny_tok_dir, capsys):
+    from step11_serving import api_server
+    with pytest.raises(SystemExit) as e:
+        api_server.main(["--model", str(tiny_tok_dir), "--tp", "2", "--compile", "--port", "0"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: --compile") and len(err.splitlines()) == 1
