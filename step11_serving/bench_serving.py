@@ -39,6 +39,7 @@ from common import cli  # noqa: E402
 from common.bench import machine, table  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.prepare import cache_root, default_model_dir, resolve_model  # noqa: E402
+from step11_serving.engines import DEFAULT_ENGINE  # noqa: E402
 
 SYSTEM = ("你是一个耐心的助教，正在给学习者讲解大语言模型的推理引擎。回答要准确、具体，先给结论再解释原因，"
           "必要时举一个小例子。You are a patient teaching assistant explaining how LLM inference engines work: "
