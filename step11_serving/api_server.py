@@ -341,11 +341,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
-    from common import compiled_decode
-    p.add_argument("--compile", nargs="?", const=compiled_decode.DEFAULT_MODE, default=None,
-                   choices=compiled_decode.MODES, metavar="MODE",
-                   help="decode 步用编译好的图（每个批大小桶一张，开始服务前先编译；common/compiled_decode.py、"
-                        "docs/appendix_performance.md）；只用于一个进程（不和 --tp/--pp 一起）")
+    from common.cli import add_compile_arg
+    add_compile_arg(p, "decode 步用编译好的图（每个批大小桶一张，开始服务前先编译）；只用于一个进程（不和 --tp/--pp 一起）")
     return p
 
 
@@ -357,11 +354,9 @@ def check_compile_args(args) -> None:
 
 def compile_if_asked(args, engine) -> None:
     """--compile：开始服务之前把每个桶编译好（第一次要几十秒，之后读 inductor 的磁盘缓存），第一个请求不等编译。"""
-    if args.compile is None:
-        return
+    from common import cli
     check_compile_args(args)
-    from common.compiled_decode import compile_engine
-    compile_engine(engine, mode=args.compile)
+    cli.compile_if_asked(args, engine)
 
 
 def main(argv=None) -> None:

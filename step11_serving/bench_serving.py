@@ -349,9 +349,7 @@ def make_parser():
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="= llama-server 的 --parallel")
     p.add_argument("--engine", default=DEFAULT_ENGINE)
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
-    from common.compiled_decode import DEFAULT_MODE, MODES
-    p.add_argument("--compile", nargs="?", const=DEFAULT_MODE, default=None, choices=MODES, metavar="MODE",
-                   help="再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
+    cli.add_compile_arg(p, "再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
     return p
 
 

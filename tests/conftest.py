@@ -113,7 +113,7 @@ def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None
 
     from common import cli
     module = importlib.import_module(f"{step}.run")
-    parser = module.make_parser() if hasattr(module, "make_parser") else cli.make_parser(module.STEP)
+    parser = parser_of(module)
     out, err = io.StringIO(), io.StringIO()
     before = torch.get_num_threads()
     if threads is not None:
@@ -130,12 +130,18 @@ def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None
     return subprocess.CompletedProcess([step, *args], code, out.getvalue(), err.getvalue())
 
 
+def parser_of(run_module):
+    """某一步 run.py 的命令行解析器（step01 的 run.py 没有 make_parser，用共用的那个）。"""
+    from common import cli
+    return run_module.make_parser() if hasattr(run_module, "make_parser") else cli.make_parser(run_module.STEP)
+
+
 def cli_error(run_module, argv: list[str], capsys) -> str:
     """在进程内运行某一步 run.py 的 main（与命令行同一条路：cli.run_main），断言它以一行 `error: ...`、
     退出码 2 结束，返回那一行。比启动一个进程快得多；"真的是一个进程时也没有 traceback"由
     test_prepare_and_errors 里唯一的子进程测试负责。"""
     from common import cli
-    parser = run_module.make_parser() if hasattr(run_module, "make_parser") else cli.make_parser(run_module.STEP)
+    parser = parser_of(run_module)
     with pytest.raises(SystemExit) as e:
         cli.run_main(parser, run_module.main, argv)
     captured = capsys.readouterr()
