@@ -37,6 +37,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -183,10 +184,15 @@ class CompiledDecodeModel(torch.nn.Module):
         """调用（也就是编译）图时要开着的设置。freezing 必须在 dynamo 追踪时就打开：dynamo 据此把权重装进图里当属性，
         而不是当输入；torch.compile(options={"freezing": True}) 只在 inductor 那一层打开，那时权重已经是图的输入，
         什么也冻不住（torch 2.13 上实测：生成的代码里矩阵乘照旧读输入的权重，看不到 _frozen_param）。"""
+        stack = contextlib.ExitStack()
         if "freezing" in self.mode:
             import torch._inductor.config
-            return torch._inductor.config.patch(freezing=True)
-        return contextlib.nullcontext()
+            stack.enter_context(torch._inductor.config.patch(freezing=True))
+        if "max-autotune" in self.mode:
+            # inductor 挑 GEMM 模板时（select_algorithm）自己调了弃用的 TypedStorage：torch 内部的警告，别打到学习者屏幕上
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        return stack
 
     # 引擎与 run.py 读的属性：与模型相同
     @property
