@@ -352,15 +352,8 @@ def check_compile_args(args) -> None:
         raise UserError("--compile compiles one process's decode: drop --tp/--pp")
 
 
-def compile_if_asked(args, engine) -> None:
-    """--compile：开始服务之前把每个桶编译好（第一次要几十秒，之后读 inductor 的磁盘缓存），第一个请求不等编译。"""
-    from common import cli
-    check_compile_args(args)
-    cli.compile_if_asked(args, engine)
-
-
 def main(argv=None) -> None:
-    from common.cli import open_session
+    from common.cli import compile_if_asked, open_session
     from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
@@ -373,7 +366,7 @@ def main(argv=None) -> None:
             check_compile_args(args)
             session = open_session(args.model, args.device, args.dtype)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
-            compile_if_asked(args, engine)
+            compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
             sock = bind(args.host, args.port)
         except UserError as e:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
