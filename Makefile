@@ -1,7 +1,7 @@
 # 两条命令（README 的快速开始）：
 #   make demo   从零安装并依次运行每一步的 run.py（默认 --quick；完整基准用 make demo FULL=1）
 #   make test   从零安装并运行全部测试，最后列出最慢的 15 个（.ci/run 就是它）
-#   make patches 重新生成 docs/patches/NN-MM.diff（相邻两步引擎文件的 diff；改了引擎文件之后运行，测试会检查）
+#   make patches 重新生成 docs/patches/NN-MM.diff（相邻两步共有文件的 diff；改了 step05–10 的文件之后运行，测试会检查）
 #   make serve  用默认模型起 step11 的 OpenAI 兼容服务器（http://127.0.0.1:8000，浏览器打开就是聊天页面）；
 #               参数经 SERVE_ARGS 传，例如 make serve SERVE_ARGS="--port 8080 --api-key KEY"
 PYTHON ?= python3

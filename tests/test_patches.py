@@ -1,6 +1,7 @@
 """docs/patches/NN-MM.diff 与各步文件夹一致（make patches 生成）；step05 起每一步的引擎自成一体。
 
-diff 是这一步的课：改了某一步的引擎文件却没重新生成 diff，或者一处修正只改了一份拷贝，这里就失败。
+diff 是这一步的课：改了某一步的文件却没重新生成 diff、两步共有的文件改了却不在 diff 里，或者一处修正只改了
+一份拷贝，这里就失败。
 """
 import ast
 import importlib.util
@@ -19,6 +20,22 @@ def test_committed_patches_match_the_step_folders():
     assert not stale, f"docs/patches out of date: {stale} — run `make patches`"
     committed = sorted(p.name for p in make_patches.OUT.glob("*.diff"))
     assert committed == sorted(p.name for p in expected), "a .diff for a step pair that no longer exists"
+
+
+def test_every_shared_file_that_differs_is_in_the_patch():
+    """相邻两步都有的 .py（run.py、chapter.py 除外：各步的命令行与章节脚本各讲各的）只要内容不同，就必须出现在
+    提交的 diff 里：这一步对它的改动、或者一处只改了一份拷贝的修正，都藏不起来。这里自己列文件，不信 make_patches 的清单。"""
+    s = make_patches.steps()
+    assert len(s) >= 6
+    for a, b in zip(s, s[1:]):
+        path = make_patches.OUT / f"{a.name[4:6]}-{b.name[4:6]}.diff"
+        text = path.read_text(encoding="utf-8")
+        for old in sorted(a.glob("*.py")):
+            new = b / old.name
+            if old.name in ("run.py", "chapter.py") or not new.exists() or old.read_bytes() == new.read_bytes():
+                continue
+            assert f"--- {a.name}/{old.name}\n+++ {b.name}/{old.name}\n" in text, (
+                f"{b.name}/{old.name} differs from {a.name}'s copy but {path.name} does not show it")
 
 
 def imports(path) -> set[str]:

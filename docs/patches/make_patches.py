@@ -1,10 +1,12 @@
-"""生成 docs/patches/NN-MM.diff：相邻两步引擎文件的统一 diff（step05 起每一步的引擎是同样的五个文件）。
+"""生成 docs/patches/NN-MM.diff：相邻两步共有的每个文件的统一 diff（step05 起每一步的引擎是同名的一组文件）。
 
     python docs/patches/make_patches.py            # 重新生成（make patches）
     python docs/patches/make_patches.py --check    # 只检查：提交的 diff 与现在的文件夹一致吗（tests/test_patches.py）
 
-diff 就是这一步的课：每个文件里只有这一步的概念带来的改动。一处修正只改了一份拷贝、没改下一步的，
-下一份 diff 里就会多出一段，一眼能看见。这一步新加的文件（例如 step08 的 quant.py）不进 diff，列在开头。
+diff 就是这一步的课：每个文件里只有这一步的概念带来的改动。比较的是两步文件夹里同名的 .py：引擎的五个文件按读的
+顺序在前，其余（swap.py、quant.py……）按名字在后；run.py、chapter.py 不比（每一步的命令行与章节脚本各讲各的），
+analysis/ 也不比（每章自己的测量脚本：两章的 workload.py 同名，却是两份不同的负载）。一处修正只改了一份拷贝、
+没改下一步的，下一份 diff 里就会多出一段，一眼能看见。这一步新加的文件（例如 step08 的 quant.py）不进 diff，列在开头。
 """
 import difflib
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
 ENGINE_FILES = ("sequence.py", "block_manager.py", "scheduler.py", "kv_cache.py", "engine.py")
+NOT_COMPARED = ("run.py", "chapter.py")
 
 
 def steps() -> list[Path]:
@@ -20,11 +23,22 @@ def steps() -> list[Path]:
     return sorted(p.parent for p in ROOT.glob("step*/engine.py") if int(p.parent.name[4:6]) >= 5)
 
 
+def shared(a: Path, b: Path) -> list[str]:
+    """两步文件夹里都有的 .py（run.py、chapter.py 除外）：引擎的五个文件按读的顺序在前，其余按名字。"""
+    names = {p.name for p in a.glob("*.py")} & {p.name for p in b.glob("*.py")} - set(NOT_COMPARED)
+    return [n for n in ENGINE_FILES if n in names] + sorted(names - set(ENGINE_FILES))
+
+
 def patch(a: Path, b: Path) -> str:
-    new = sorted(p.name for p in b.glob("*.py") if not (a / p.name).exists() and p.name not in ("run.py", "chapter.py"))
-    lines = [f"# {a.name} → {b.name}：引擎文件（{', '.join(ENGINE_FILES)}）的统一 diff，由 docs/patches/make_patches.py 生成\n",
-             f"# 这一步新加的文件：{', '.join(new) if new else '无'}\n"]
-    for name in ENGINE_FILES:
+    new = sorted(p.name for p in b.glob("*.py") if not (a / p.name).exists() and p.name not in NOT_COMPARED)
+    names = shared(a, b)
+    same = [n for n in names if (a / n).read_bytes() == (b / n).read_bytes()]
+    changed = [n for n in names if n not in same]
+    lines = [f"# {a.name} → {b.name}：两步共有的 .py（{', '.join(NOT_COMPARED)} 除外）的统一 diff，"
+             "由 docs/patches/make_patches.py 生成\n",
+             f"# 有改动：{', '.join(changed) or '无'}；没有改动：{', '.join(same) or '无'}；"
+             f"这一步新加的文件：{', '.join(new) or '无'}\n"]
+    for name in names:
         old = (a / name).read_text(encoding="utf-8").splitlines(keepends=True)
         cur = (b / name).read_text(encoding="utf-8").splitlines(keepends=True)
         lines += difflib.unified_diff(old, cur, f"{a.name}/{name}", f"{b.name}/{name}", n=3)
