@@ -1,5 +1,7 @@
-"""step06 引擎：step05（分页 KV cache + 连续批处理 + 重算式抢占）+ 前缀缓存，一步一步地驱动（与 vLLM 的
-LLMEngine 同样的接口）。
+"""step06 引擎：分页 KV cache + 连续批处理 + 重算式抢占 + 前缀缓存，一步一步地驱动（与 vLLM 的 LLMEngine
+同样的接口）。
+与 step03 逐 token 一致的道理（块表 + 按位置的掩码；每个请求自己的随机数发生器，被抢占后只重算 K/V）
+和每一步的记账（StepStats、每个请求的时刻）都同 step05 的引擎。
 
     add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
     step() -> list[RequestOutput]          一次前向：调度 → 排出这次前向的地址（plan）→ 模型 → 采样、结束的还块
@@ -7,16 +9,9 @@ LLMEngine 同样的接口）。
     has_unfinished_requests()
     generate(requests)                     只是上面几个的循环
 
-与 step03 逐 token 一致的关键：
-- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
-- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
-  所以它消耗的随机数序列与 step03 单独生成时完全相同。
-
-记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
-
-step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
+step06 加的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
 把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
-下一轮能命中上一轮。--no-prefix-cache 用的是 step05 的引擎（run.py）。
+下一轮能命中上一轮。--no-prefix-cache 用的是 step05 的引擎（run.py）：输出相同。
 """
 from dataclasses import dataclass
 from typing import NamedTuple

@@ -1,21 +1,14 @@
 """调度器：等待队列 + 运行集合，每一步决定"这次前向算谁、各算几个 token"。
 
-- step07：每一步一个 token 预算（max_num_batched_tokens，vLLM 的同名参数），decode 与 prefill 的块混在同一次
-  前向里（step05/06 的一步要么全是 prefill、要么全是 decode：一个长提示词到了，所有正在 decode 的请求都干等
-  一整次长 prefill）。先 decode：运行中每个已经在 decode 的请求各占 1 个预算；剩下的按进入运行集合的顺序给还没
-  prefill 完的请求（每个拿 min(剩下的, 预算)）；还有剩、这一步又没有抢占，才按先来先服务接纳新请求。
-  一个提示词可能要分好几步才 prefill 完，最后一块算完的那一步才采样出首 token。
-- decode 时某个请求的最后一块写满了，就再给它一块（一次只长一块）。池子空了：抢占"最新"的运行请求——
-  释放它的全部块，放回等待队列的最前面，之后重新 prefill（重算，recompute）。最老的请求从不被别人抢占，
-  而每个请求单独都放得进池子（add_request 时检查过），所以总能往前走。
-- 请求一结束就把块还回去，下一步就能有新请求进来：这就是连续批处理（continuous batching）。
+step07 加的 token 预算（max_num_batched_tokens，vLLM 的同名参数）：decode 与 prefill 的块混在同一次前向里
+（step05/06 的一步要么全是 prefill、要么全是 decode：一个长提示词到了，所有正在 decode 的请求都干等一整次长
+prefill）。先 decode：运行中每个已经在 decode 的请求各占 1 个预算；剩下的按进入运行集合的顺序给还没 prefill 完的
+请求（每个拿 min(剩下的, 预算)）；还有剩、这一步又没有抢占，才按先来先服务接纳新请求。一个提示词可能要分好几步
+才 prefill 完，最后一块算完的那一步才采样出首 token。
 
-schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；decode：1）。
-引擎只看这个数，不用区分 prefill 和 decode（nano-vllm 的 postprocess 也是这个形状）。
-
-step06：接纳时先查前缀缓存（block_manager.match_prefix），命中的块直接共享，请求从命中位置开始 prefill。
-同一批里已经有人要算它要算的第一块（key 相同）时，它等下一步：那时那一块已经写好、登记了，它直接命中，
-而不是在同一次前向里把同样的 K/V 再算一遍（SGLang 叫 in-batch prefix caching）。
+schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；decode：1），引擎只看这个数。
+没变的：decode 写满最后一块就再给它一块；池子空了抢占最新的运行请求（重算），最老的从不被抢占；请求一结束就
+还块（连续批处理）；接纳时先查前缀缓存，同一批里有人正要算同一块时等下一步。
 """
 from collections import deque
 from dataclasses import dataclass

@@ -1,9 +1,8 @@
 """一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence），以及引擎每一步交给调用方的 RequestOutput。
 
 Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
-状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。step06 加两项前缀缓存的账：提示词里有几个
-token 直接用了缓存（num_cached_tokens），块表开头有几块已经登记进缓存。step07 的 prefill 可能分好几步做完，
-所以请求自己记着它还在不在 prefill（in_prefill）。
+前缀缓存的账、状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。step07 加一项：prefill 可能
+分好几步做完，所以请求自己记着它还在不在 prefill（in_prefill）。
 """
 import enum
 from dataclasses import dataclass, field

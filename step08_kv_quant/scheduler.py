@@ -1,27 +1,15 @@
-"""调度器：等待队列 + 运行集合，每一步决定"这次前向算谁、各算几个 token"。
+"""调度器：等待队列 + 运行集合 + 被换出的队列，每一步决定"这次前向算谁、各算几个 token"。
 
-- step07：每一步一个 token 预算（max_num_batched_tokens，vLLM 的同名参数），decode 与 prefill 的块混在同一次
-  前向里（step05/06 的一步要么全是 prefill、要么全是 decode：一个长提示词到了，所有正在 decode 的请求都干等
-  一整次长 prefill）。先 decode：运行中每个已经在 decode 的请求各占 1 个预算；剩下的按进入运行集合的顺序给还没
-  prefill 完的请求（每个拿 min(剩下的, 预算)）；还有剩、这一步又没有抢占，才按先来先服务接纳新请求。
-  一个提示词可能要分好几步才 prefill 完，最后一块算完的那一步才采样出首 token。
-- decode 时某个请求的最后一块写满了，就再给它一块（一次只长一块）。池子空了：抢占"最新"的运行请求——
-  释放它的全部块，放回等待队列的最前面，之后重新 prefill（重算，recompute）。最老的请求从不被别人抢占，
-  而每个请求单独都放得进池子（add_request 时检查过），所以总能往前走。
-- 请求一结束就把块还回去，下一步就能有新请求进来：这就是连续批处理（continuous batching）。
+每一步一个 token 预算（max_num_batched_tokens）：先 decode，再给还没 prefill 完的请求，还有剩、这一步又没有
+抢占才接纳新请求（先查前缀缓存）。schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；
+decode：1），引擎只看这个数。decode 写满最后一块就再给它一块；池子空了抢占最新的
+运行请求，最老的从不被抢占；请求一结束就还块（连续批处理）。
 
-- step08 的换出式抢占（--preempt swap，vLLM V0 的 PreemptionMode.SWAP）：抢占时不扔 KV，而是把它已经算好的块
-  拷到第二层（swap.py），池子里的块照常还回去，请求进入第三个队列 swapped；重新接纳时先换入（拷回新分到的块，
-  块表换成新块号），接着 decode 或接着 prefill 没算完的部分。swapped 清空之前不接纳新请求（被换出的请求比等待中
-  的都早到）。第二层装不下，或者它一个 token 都还没算：退回重算。换入的块内容与换出时逐位相同，之后的计算与从未
-  被抢占时完全相同。
-
-schedule() 给每个被选中的请求一个数：这一步算它的几个 token（prefill 的一块；decode：1）。
-引擎只看这个数，不用区分 prefill 和 decode（nano-vllm 的 postprocess 也是这个形状）。
-
-step06：接纳时先查前缀缓存（block_manager.match_prefix），命中的块直接共享，请求从命中位置开始 prefill。
-同一批里已经有人要算它要算的第一块（key 相同）时，它等下一步：那时那一块已经写好、登记了，它直接命中，
-而不是在同一次前向里把同样的 K/V 再算一遍（SGLang 叫 in-batch prefix caching）。
+step08 加的换出式抢占（--preempt swap，vLLM V0 的 PreemptionMode.SWAP）：抢占时不扔 KV，而是把它已经算好的块
+拷到第二层（swap.py），池子里的块照常还回去，请求进入第三个队列 swapped；重新接纳时先换入（拷回新分到的块，
+块表换成新块号），接着 decode 或接着 prefill 没算完的部分。swapped 清空之前不接纳新请求（被换出的请求比等待中
+的都早到）。第二层装不下，或者它一个 token 都还没算：退回重算。换入的块内容与换出时逐位相同，之后的计算与从未
+被抢占时完全相同。
 """
 from collections import deque
 from dataclasses import dataclass

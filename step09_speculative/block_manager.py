@@ -1,25 +1,14 @@
-"""物理 KV 块的管理：空闲链表 + 引用计数，以及"给一个请求分块 / 收块"。它只管块号，不碰 KV 张量本身
-（张量在 kv_cache.py）。step06 在这里加上前缀缓存（vLLM 的 BlockPool、nano-vllm 的 BlockManager）。
+"""物理 KV 块的管理：空闲链表 + 引用计数 + 前缀缓存（vLLM 的 BlockPool、nano-vllm 的 BlockManager）。
+它只管块号，不碰 KV 张量本身（张量在 kv_cache.py）。
 
-类比操作系统：块 = 物理页帧，块表 = 页表，这里就是页帧分配器。
-- allocate(n)：从空闲链表取 n 个块，引用计数置 1；free(blocks)：引用计数 -1，降到 0 的块回到空闲链表；
-- 引用计数 > 1 = 几个请求的块表指向同一块（不复制数据）：前缀缓存靠它共享相同前缀的块；
-- 按请求的操作（调度器用）：allocate_seq 按它的全部 token 分块，append_slot 在 decode 写满最后一块时加一块，
-  free_seq 把它的块全部还回来。
+- allocate(n) / free(blocks)：按引用计数分块、收块；引用计数 > 1 = 几个请求的块表共享同一块（不复制数据）；
+- 按请求的操作（调度器用）：allocate_seq 按它的全部 token 分块（命中的前缀块直接共享），append_slot 在 decode
+  写满最后一块时加一块，free_seq 把它的块全部还回来；
+- 前缀缓存：写满的块按链式的 key = hash(前一块的 key, 这一块的 token id) 登记，match_prefix 从第 0 块起逐块查、
+  核对原像。ref = 0 的块：没有 key 的在 free_blocks（先分配它们），带 key 的在 evictable（按最近一次被释放排，
+  空块用完才驱逐最久没用的）；一个块要么在 free_blocks，要么在 evictable，要么 ref ≥ 1。
 
-前缀缓存：一块写满之后登记进缓存，key = hash(前一块的 key, 这一块的 token id)。key 是链式的，所以 key 相等
-⇔ 从位置 0 到这一块末尾的整段前缀相等（哈希不撞的前提下；撞了也不怕，见 match_prefix 的核对）。块的一生
-（第 06 章有图）：
-
-    空闲（无 key）──allocate──▶ 使用中（ref ≥ 1）──写满、登记──▶ 使用中且带 key ──命中──▶ ref + 1（共享）
-         ▲                                                              │ 最后一个持有者 free
-         └────────────── 池子要空间：驱逐最久没用的 ◀── 可驱逐（ref = 0，仍带 key，还能被命中）
-
-- free_blocks：ref = 0 且没有 key 的块——里面没有值得留的东西，分配时先用它们；
-- evictable：ref = 0 但带 key 的块，按"最近一次被释放"的先后排（最前面 = 最久没用）；空块用完了才从这里驱逐；
-- 一个块要么在 free_blocks，要么在 evictable，要么 ref ≥ 1，三者互斥（测试用 hypothesis 检查）。
-
-enable_caching=False（--no-prefix-cache）：什么也不登记、什么也查不到，块就只是块（step05 的行为）。
+step07 加 enable_caching=False（--no-prefix-cache）：什么也不登记、什么也查不到，块就只是块（step05 的行为）。
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass

@@ -1,47 +1,22 @@
-"""step10 引擎：step09（分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill + 量化的池子 + 换出式抢占 + 投机解码），
-模型切在 tp × pp 个进程上，一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
+"""step10 引擎：step09 的引擎（分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill + 量化的池子 + 换出式抢占 +
+投机解码），模型切在 tp × pp 个进程上，一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
+与 step03 逐 token 一致的道理（块表 + 按位置的掩码；每个请求自己的随机数发生器，被抢占后只重算 K/V）
+和每一步的记账（StepStats、每个请求的时刻）都同 step05 的引擎。
 
     add_request(request) -> request_id     检查请求、放进等待队列（到达时刻 = 时钟的读数）
     step() -> list[RequestOutput]          一次前向：猜测 → 调度 → 排出这次前向的地址（plan）→ 模型 → 验证、结束的还块
     abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
     has_unfinished_requests()
     generate(requests)                     只是上面几个的循环
-    run_worker() / close()                 step10：rank ≠ 0 跟着 rank 0 的计划跑前向 / 结束这个引擎
+    run_worker() / close()                 rank ≠ 0 跟着 rank 0 的计划跑前向 / 结束这个引擎
 
-与 step03 逐 token 一致的关键：
-- 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
-- 每个请求一个随机数发生器，按自己的 seed 创建；被抢占后只重算 K/V，已生成的 token 原样保留、不重新采样，
-  所以它消耗的随机数序列与 step03 单独生成时完全相同。
-
-记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
-
-step06 的前缀缓存在块管理器里（block_manager.py）：接纳时命中的块直接共享（scheduler.py），每次前向之后
-把新写满的块登记进缓存（_postprocess）。块管理器跟着引擎活：generate() 调用之间缓存还在，所以多轮对话的
-下一轮能命中上一轮。
-
-step07 的分块 prefill：调度器给每一步一个 token 预算，decode 与 prefill 的块混在同一次前向里（scheduler.py）；
-plan 把它们排成没有填充的一行（kv_cache.py 的 FlatAttentionMetadata），只算要采样的位置的 logits。引擎的
-step() 一行没变：每个请求的 K/V 往前推它这一步算的 token 数，算到最后一个 token 的才采样——prefill 的前几块
-不采样。--no-chunked-prefill 用的是 step06 的引擎（run.py）；--no-prefix-cache 是这里的 enable_prefix_caching=False。
-
-step08：kv_dtype 是 int8 / fp8（或另一种浮点）时池子存量化的码和 scale，写时量化、读时反量化（kv_cache.py，
-数学在 quant.py）；默认（None = 模型的 dtype）是精确模式，与 step07 逐位相同。preempt="swap" 时抢占把块换出到
-第二层（swap.py：CPU 内存；池子在 CUDA 上时用锁页内存），重新接纳时换回来（scheduler.py）。
-
-step10 的张量并行与流水线并行（parallel 不是 None 时）：每个 rank 上都有一个这样的引擎，用同一份配置建，
-model 是本 rank 的那一份（parallel_layers.py：1/TP 的头和 MLP、本 stage 的层），kv_cache 按 model.cfg 建，
-正好是本 rank 的池子（本 stage 的层 × 本 rank 的 KV 头）。调度器、块管理器、采样只在 rank 0 上用：rank 0 的
-step() 在调度之后把计划广播出去（step_message.py，一次 broadcast），其余 rank 在 run_worker() 里收到计划，
-调用同一个 kv_cache.plan、跑同一次前向；logits 只回到 rank 0。块号、槽号在每个 rank 上相同，只是每个 rank
-的块里存的是它自己的 KV 头——所以同样的每 rank 内存，池子能放 TP 倍的 token。
-
-step09 的投机解码（spec_method 不是 "none" 时）：每一步开头，提议者（proposer.py：prompt lookup 或草稿模型）给每个
-在 decode 的请求猜接下来的至多 k 个 token；调度器让它这一步算 1 + k 个位置（scheduler.py），plan 给出每个位置的
-logits（kv_cache.py）；_postprocess 用 rejection_sampler.verify 决定留下几个：接受的猜测 + 一个来自目标模型的
-token，一次前向产出 1..k+1 个 token，RequestOutput.new_token_ids 就是它们。被拒绝的猜测的 K/V 不算进
-num_computed_tokens（回滚），猜测也从不进 token_ids，所以前缀缓存只登记真正的 token。没有猜测的请求走的是
-同一个 verify：空猜测时它就是 step08 的那一次 sample()——spec_method="none" 与 step08 逐位相同。
-接受率一直很低的请求暂停猜测一阵（SPEC_WINDOW 等常数）：猜错的验证不是免费的。
+step10 加的张量并行与流水线并行（parallel 不是 None 时）：每个 rank 上都有一个这样的引擎，用同一份配置建
+（rank 0 经 parallel.open_engine 发给其他 rank），model 是本 rank 的那一份（parallel_layers.py），kv_cache 按
+model.cfg 建，正好是本 rank 的池子（本 stage 的层 × 本 rank 的 KV 头）。调度器、块管理器、采样只在 rank 0 上用：
+rank 0 的 step() 在调度之后把计划（连同这一步换出 / 换入的拷贝）广播出去（step_message.py，一次 broadcast），
+其余 rank 在 run_worker() 里收到计划，照做拷贝、调用同一个 kv_cache.plan、跑同一次前向；logits 只回到 rank 0。
+块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，池子能放
+TP 倍的 token。
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional

@@ -1,11 +1,9 @@
 """一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence），以及引擎每一步交给调用方的 RequestOutput。
 
 Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
-状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。step06 加两项前缀缓存的账：提示词里有几个
-token 直接用了缓存（num_cached_tokens），块表开头有几块已经登记进缓存。step07 的 prefill 可能分好几步做完，
-所以请求自己记着它还在不在 prefill（in_prefill）。step08 的换出式抢占多一个状态 SWAPPED：它的 K/V 在第二层
-（swap_handle），重新接纳时拷回来，接着往下算。step09 的投机解码：decode 中的请求每步可以带几个猜测
-（spec_token_ids，提议者给出）一起进前向；猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来。
+前缀缓存的账、还在不在 prefill、状态（含被换出的 SWAPPED）、被抢占的次数，以及计时用的几个时刻（都来自
+引擎的时钟）。step09 加的投机解码：decode 中的请求每步可以带几个猜测（spec_token_ids，提议者给出）一起进前向；
+猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来；spec_* 另几项是按请求的接受率账。
 """
 import enum
 from dataclasses import dataclass, field

@@ -12,6 +12,9 @@ step05 的抢占是"重算"：扔掉 KV，之后重新 prefill 提示词 + 已�
 布局：池子里块是第 block_dim 维（step05 起：(layers, 2, num_blocks + 1, H_kv, block_size, D) 的第 2 维），一块分散在
 layers × 2 段内存里；第二层把块放在第 0 维，(num_cpu_blocks, layers, 2, H_kv, block_size, D)，一块是一整段连续内存，
 一次 DMA 就能搬完。代价：每块一次 copy_，一次换出 n 块就是 n 次（vLLM 的 swap_blocks 也是按块逐个拷）。
+
+step10 加的：record=True（多进程时的 rank 0）记下每次拷贝，take_copies 把它们随这一步的计划发给其他 rank，
+其他 rank 用 replay 对自己那一份池子照做（块号相同，搬的是本 rank 的 KV 头）。
 """
 import time
 from collections import deque
