@@ -7,6 +7,7 @@
     has_unfinished_requests()
     generate(requests)                     只是上面几个的循环
     run_worker() / close()                 step10：rank ≠ 0 跟着 rank 0 的计划跑前向 / 结束这个引擎
+    worker_failure()                       step10：None = 每个 rank 都在；否则是让这一组停下的错误（服务器的 /health）
 
 与 step03 逐 token 一致的关键：
 - 每个请求在自己的位置上（positions 显式给出）看见且只看见自己的 K/V（块表 + 按位置的掩码）；
@@ -264,10 +265,15 @@ class LLMEngine:
         self.close()
 
     def close(self) -> list[dict]:
-        """结束这个引擎：多进程时 rank 0 发 END，每个 rank 离开这个引擎；返回每个 rank 的通信账（rank 0 上）。"""
+        """结束这个引擎：多进程时 rank 0 发 END，每个 rank 离开这个引擎；返回每个 rank 的通信账（rank 0 上）。
+        某个 worker 出过错时什么也不发、不抛错，返回 []。"""
         if self.parallel is None or self.parallel.plan_numel is None:
             return []
         return self.parallel.close_engine()
+
+    def worker_failure(self) -> Optional[UserError]:
+        """None = 每个 rank 都还在（一个进程时总是 None）；否则是让这一组停下的错误，一行，说出原因。不通信、不阻塞。"""
+        return self.parallel.check_health() if self.parallel is not None else None
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
