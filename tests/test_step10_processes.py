@@ -23,7 +23,9 @@ import torch.distributed as dist
 from common.errors import UserError
 from common.weights import load_model
 from step10_tensor_parallel import parallel_layers
-from step10_tensor_parallel.distributed import WorkerFailed, launch, serve_worker
+from step10_tensor_parallel.distributed import WorkerFailed
+from step10_tensor_parallel.launch import launch
+from step10_tensor_parallel.model_runner import serve_worker
 from step10_tensor_parallel.engine import EngineConfig, LLMEngine
 from step10_tensor_parallel.parallel_layers import load_shard
 from step04_static_batching.request import Request
