@@ -28,7 +28,9 @@ from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step09_speculative import engine as step09
 from step10_tensor_parallel import engine as step10
-from step10_tensor_parallel.distributed import FORWARD_OPS, forward_comm_seconds, launch, serve_worker
+from step10_tensor_parallel.distributed import FORWARD_OPS, Layout, forward_comm_seconds
+from step10_tensor_parallel.launch import launch
+from step10_tensor_parallel.model_runner import serve_worker
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard
 
 STEP = "step10_tensor_parallel"
@@ -157,8 +159,9 @@ class Chapter:
                  step10.num_blocks_for_budget(cfg, self.bs, s.dtype)]]
         for tp, pp in ((self.tp, 1), (1, self.pp)):
             for rank in range(tp * pp):
-                shard = Shard.of(cfg, tp, pp, rank)
-                model = load_shard(s.path, _Layout(rank, tp, pp), s.device, s.dtype)   # 只装切片，不通信
+                layout = Layout(rank, tp, pp)                                        # 只有位置，不通信
+                shard = Shard.of(cfg, layout)
+                model = load_shard(s.path, layout, s.device, s.dtype)                # 只装切片
                 w = sum(p.nbytes for p in model.parameters())
                 b = step10.PagedKVCache(model.cfg, 1, self.bs, s.device, s.dtype).pool[:, :, 0].nbytes
                 rows.append([f"TP {tp} × PP {pp}", f"rank {rank}（层 {shard.layers.start}–{shard.layers.stop - 1}，"
@@ -303,13 +306,6 @@ class Chapter:
         self.interconnects()
         self.checks["every_pool_empty_at_the_end"] = all(pool_is_free(e) for e in self.engines)
         return finish(STEP, self.s, self.checks, self.figures, self.args.json)
-
-
-class _Layout:
-    """只用来装切片、不通信的"并行位置"（[2] 里看每个 rank 存多少，不用起进程）。"""
-
-    def __init__(self, rank: int, tp: int, pp: int):
-        self.rank, self.tp_size, self.pp_size, self.tp_group = rank, tp, pp, None
 
 
 if __name__ == "__main__":

@@ -8,15 +8,16 @@
     abort(request_id)                      立刻还块；下一次 step() 报告它 finish_reason="abort"
     has_unfinished_requests()
     generate(requests)                     只是上面几个的循环
-    run_worker() / close()                 rank ≠ 0 跟着 rank 0 的计划跑前向 / 结束这个引擎
+    close()                                结束这个引擎（rank 0 发 END，收回每个 rank 的通信账）
+    worker_failure()                       None = 每个 rank 都在；否则是让这一组停下的错误（服务器的 /health 用）
 
-step10 加的张量并行与流水线并行（parallel 不是 None 时）：每个 rank 上都有一个这样的引擎，用同一份配置建
-（rank 0 经 parallel.open_engine 发给其他 rank），model 是本 rank 的那一份（parallel_layers.py），kv_cache 按
-model.cfg 建，正好是本 rank 的池子（本 stage 的层 × 本 rank 的 KV 头）。调度器、块管理器、采样只在 rank 0 上用：
-rank 0 的 step() 在调度之后把计划（连同这一步换出 / 换入的拷贝）广播出去（step_message.py，一次 broadcast），
-其余 rank 在 run_worker() 里收到计划，照做拷贝、调用同一个 kv_cache.plan、跑同一次前向；logits 只回到 rank 0。
-块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，池子能放
-TP 倍的 token。
+step10 加的张量并行与流水线并行（parallel 不是 None 时）：这个引擎只在 rank 0 上，model 是 rank 0 的那一份
+（parallel_layers.py：1/TP 的头和 MLP、本 stage 的层）。池子、模型与换出 / 换入在 ModelRunner 里（model_runner.py），
+每个 rank 各有一个，用同一份配置建（rank 0 经 parallel.open_engine 发给其他 rank）；调度器、块管理器、采样只在
+rank 0 上。rank 0 的 step() 在调度之后把计划（连同这一步换出 / 换入的拷贝）广播出去（step_message.py，一次
+broadcast），其余 rank 的 ModelRunner 收到计划，照做拷贝、调用同一个 kv_cache.plan、跑同一次前向；logits 只回到
+rank 0。块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，
+池子能放 TP 倍的 token。
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -31,13 +32,13 @@ from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
 from .kv_cache import ATTENTION_CHOICES, PagedKVCache
+from .model_runner import ModelRunner
 from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
 from .quant import kv_format
 from .rejection_sampler import verify
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
-from .step_message import decode_plan, encode_plan, plan_numel
-from .swap import SwapSpace
+from .step_message import encode_plan, plan_numel
 
 DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
@@ -117,21 +118,14 @@ class LLMEngine:
                  draft_model=None, proposer: Optional[Proposer] = None, parallel=None):
         """draft_model：spec_method="draft" 的草稿模型（词表与 model 相同）；proposer：直接给一个提议者
         （测试用脚本化的 FakeProposer），给了就不看 spec_method。parallel：distributed.py 的 ParallelContext
-        （None = 一个进程）；这时 model 是本 rank 的那一份。"""
+        （None = 一个进程）；这时 model 是 rank 0 的那一份。"""
         config.validate()
-        self.model, self.config, self.parallel = model, config, parallel
+        self.config, self.parallel = config, parallel
         self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
         self.clock = clock or WallClock()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
-            self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
-                                         config.attention, kv_format(config.kv_dtype, model.dtype))
-            self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2,
-                                   record=parallel is not None and parallel.rank == 0)
-                         if config.preempt == "swap" else None)
-        except (RuntimeError, MemoryError) as e:
-            raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
-                            f"tokens: {e}") from None
+        self.runner = ModelRunner(model, config, parallel)   # 本 rank 的池子、模型、第二层（model_runner.py）
+        self.kv_cache, self.swap = self.runner.kv_cache, self.runner.swap
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
         self.spec_stats = SpecStats()
@@ -139,8 +133,17 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
         self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
         self._next_id = 0
-        if parallel is not None:   # rank 0 把配置发给其他 rank，它们照着建同样的引擎（distributed.serve_worker）
+        if parallel is not None:   # rank 0 把配置发给其他 rank，它们照着建同样的 ModelRunner（model_runner.serve_worker）
             parallel.open_engine(config, plan_numel(config, model.cfg))
+
+    @property
+    def model(self):
+        """模型在 ModelRunner 里（其余 rank 只有它）；engine.model 照旧可读、可换（--compile、测试里包一层记录）。"""
+        return self.runner.model
+
+    @model.setter
+    def model(self, model) -> None:
+        self.runner.model = model
 
     def _make_proposer(self, draft_model) -> Optional[Proposer]:
         c = self.config
@@ -192,13 +195,12 @@ class LLMEngine:
         t0 = self.clock.now()
         self._propose()                                                      # 猜测也算在这一步的时间里
         batch = self.scheduler.schedule()
-        if self.parallel is not None:   # 同一份计划发给每个 rank：它们跑同一次前向（run_worker）
+        if self.parallel is not None:   # 同一份计划发给每个 rank：它们跑同一次前向（ModelRunner.run_worker）
             copies = self.swap.take_copies() if self.swap is not None else []
             plan = encode_plan(batch.seqs, batch.num_new_tokens, copies, self.parallel.plan_numel)
             self.parallel.broadcast_plan(plan)
-        fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
-        logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
-        new = self._postprocess(batch, logits)
+        fwd, logits = self.runner.run(batch.seqs, batch.num_new_tokens)    # 这次前向的地址信息与 logits
+        new = self._postprocess(batch, logits.flatten(0, 1))                 # (R, V)
         self._record(batch, fwd, self.clock.now() - t0, new)
         for o in new:
             if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
@@ -227,22 +229,14 @@ class LLMEngine:
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
             seq.trim_spec(min(self.config.num_spec_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1))
 
-    @torch.inference_mode()
-    def run_worker(self) -> None:
-        """rank ≠ 0 的引擎只做这一件事：收 rank 0 的计划，照做它这一步的换出 / 换入，排出同样的地址信息，
-        跑本 rank 那一份前向（通信在模型的层里），直到 rank 0 的引擎结束。"""
-        while (plan := decode_plan(self.parallel.broadcast_plan())) is not None:
-            if self.swap is not None:
-                self.swap.replay(plan.swap_copies)
-            fwd = self.kv_cache.plan(plan.seqs, plan.num_new_tokens)
-            self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)
-        self.close()
-
     def close(self) -> list[dict]:
-        """结束这个引擎：多进程时 rank 0 发 END，每个 rank 离开这个引擎；返回每个 rank 的通信账（rank 0 上）。"""
-        if self.parallel is None or self.parallel.plan_numel is None:
-            return []
-        return self.parallel.close_engine()
+        """结束这个引擎：多进程时 rank 0 发 END，每个 rank 离开这个引擎；返回每个 rank 的通信账（rank 0 上）。
+        某个 worker 出过错时什么也不发、不抛错，返回 []。"""
+        return self.runner.close()
+
+    def worker_failure(self) -> Optional[UserError]:
+        """None = 每个 rank 都还在（一个进程时总是 None）；否则是让这一组停下的错误，一行，说出原因。不通信、不阻塞。"""
+        return self.parallel.check_health() if self.parallel is not None else None
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测

@@ -82,8 +82,9 @@ class Shard:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp: int, pp: int, rank: int) -> "Shard":
-        tp_rank, pp_rank = rank % tp, rank // tp
+    def of(cls, cfg: ModelConfig, layout) -> "Shard":
+        """layout：distributed.py 的 Layout 或 ParallelContext（rank 在 tp × pp 里的位置只在那里算）。"""
+        tp, pp, tp_rank, pp_rank = layout.tp_size, layout.pp_size, layout.tp_rank, layout.pp_rank
         bounds = [i * cfg.num_layers // pp for i in range(pp + 1)]    # 层尽量平均地分给各 stage
         h, f = cfg.num_heads // tp, cfg.intermediate_size // tp
         if tp <= cfg.num_kv_heads:
@@ -286,11 +287,12 @@ def read_slice(sf, name: str, dim: Optional[int], part: Optional[range], size: i
 
 
 def load_shard(path, parallel, device: str, dtype: torch.dtype) -> ParallelTransformer:
-    """rank parallel.rank 的那一份模型：先在 meta 设备上搭骨架（不分配），再只读本 rank 的切片装进去。"""
+    """rank parallel.rank 的那一份模型：先在 meta 设备上搭骨架（不分配），再只读本 rank 的切片装进去。
+    parallel 是 ParallelContext；只装权重、不跑前向时可以是 distributed.Layout。"""
     cfg = ModelConfig.from_dir(path)
     check_weights(path, cfg)
     check_parallel(cfg, parallel.tp_size, parallel.pp_size)
-    shard = Shard.of(cfg, parallel.tp_size, parallel.pp_size, parallel.rank)
+    shard = Shard.of(cfg, parallel)
     wanted = checkpoint_slices(cfg, shard)
     by_source: dict[str, list[str]] = {}
     for local, (src, _, _) in wanted.items():

@@ -28,7 +28,9 @@ from step06_prefix_cache import engine as step06  # noqa: E402
 from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
 from step10_tensor_parallel.quant import KV_DTYPE_CHOICES  # noqa: E402
-from step10_tensor_parallel.distributed import forward_comm_seconds, launch, serve_worker  # noqa: E402
+from step10_tensor_parallel.distributed import Layout, forward_comm_seconds  # noqa: E402
+from step10_tensor_parallel.launch import launch  # noqa: E402
+from step10_tensor_parallel.model_runner import serve_worker  # noqa: E402
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard  # noqa: E402
 
 def make_parser() -> cli.Parser:
@@ -63,8 +65,9 @@ def check_args(args) -> None:
 
 def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
     """每个 rank 同样的 KV 预算（256 MiB）能放几块：块号在所有 rank 上通用，所以取最满的那个 rank（层最多的 stage）。"""
-    return min(step10.num_blocks_for_budget(Shard.of(cfg, args.tp, args.pp, r).rank_config(cfg), args.block_size, dtype,
-                                            kv_dtype=args.kv_dtype) for r in range(args.tp * args.pp))
+    return min(step10.num_blocks_for_budget(Shard.of(cfg, Layout(r, args.tp, args.pp)).rank_config(cfg),
+                                            args.block_size, dtype, kv_dtype=args.kv_dtype)
+               for r in range(args.tp * args.pp))
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, parallel, draft_model=None):

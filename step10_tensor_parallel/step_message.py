@@ -5,7 +5,7 @@
 所以每个 rank 的计划逐位相同，worker 永远不会和 rank 0 走岔。这也是 vLLM V1 的做法：广播调度器的输出
 （SchedulerOutput），每个 worker 自己准备输入；V0 则由 driver 准备好张量再逐个广播。
 
-布局（int32，第一个数 < 0 就是 END：这个引擎结束了）：
+布局（int32；第一个数 < 0 是控制消息：END = 这个引擎结束了，HEARTBEAT = rank 0 还在、只是空闲，见 distributed.py）：
 
     [R, T, n_table, n_copy]                                          头：请求数、新 token 总数、块表总长、换出/换入的拷贝数
     R × [num_computed_tokens, num_new_tokens, num_tokens, len(spec_token_ids), len(block_table)]
@@ -27,6 +27,8 @@ import torch
 from step04_static_batching.batch import PAD_ID
 
 HEADER, ROW = 4, 5
+END = -1          # 第一个数是 END：这个引擎结束了（rank 0 的 close()）
+HEARTBEAT = -2    # 第一个数是 HEARTBEAT：rank 0 空闲时的心跳，worker 收到就接着等（distributed.py）
 
 
 @dataclass
@@ -88,7 +90,7 @@ def decode_plan(buf: torch.Tensor) -> Optional[StepPlan]:
     """encode_plan 的逆；END 返回 None。"""
     v = buf.tolist()
     R, T, n_table, n_copy = v[:HEADER]
-    if R < 0:
+    if R == END:
         return None
     rows = [v[HEADER + ROW * i:HEADER + ROW * (i + 1)] for i in range(R)]
     at_ids, at_table = HEADER + ROW * R, HEADER + ROW * R + T

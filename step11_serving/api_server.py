@@ -202,6 +202,7 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        aengine.error = aengine.error or getattr(aengine.engine, "worker_failure", lambda: None)()   # step10：worker 没了
         if aengine.healthy:
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable", "error": str(aengine.error) if aengine.error else "shutting down"},

@@ -4,7 +4,7 @@ add_request / step / abort），服务器只认这套 API，所以任何一步�
 加一步只要在 ENGINES 里加一行。每一步的引擎参数直接从它的 EngineConfig 的字段生成
 （num_blocks → --num-blocks，max_num_batched_tokens → --max-num-batched-tokens，kv_dtype → --kv-dtype……），
 所以服务器的参数永远与那一步的引擎一致，不用在这里再抄一遍。step10 另有 --tp / --pp：服务器进程就是 rank 0，
-其余 rank 是它起的子进程（step10_tensor_parallel/distributed.py 的 launch），服务器关闭时一起收掉。
+其余 rank 是它起的子进程（step10_tensor_parallel/launch.py 的 launch），服务器关闭时一起收掉。
 """
 import argparse
 import contextlib
@@ -79,7 +79,7 @@ def parallel_group(name: str, session, args):
     if tp * pp == 1:
         yield None
         return
-    from step10_tensor_parallel.distributed import launch, serve_worker
+    from step10_tensor_parallel.launch import launch, serve_worker
     from step10_tensor_parallel.parallel_layers import check_parallel, load_shard
     if session.device != "cpu":
         raise UserError("--tp/--pp > 1 run CPU processes over gloo here: use --device cpu")

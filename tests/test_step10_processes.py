@@ -1,5 +1,6 @@
 """step10：多进程出错与收尾（某个 worker 抛错或被 kill -9 时整组停下，rank 0 报出原因，进程全部退出；Ctrl-C 只由
-rank 0 处理），以及两个 torchrun "节点"跑流水线（唯一起子进程的测试：要的就是真的 torchrun）。
+rank 0 处理），空闲得比超时还久的一组照常服务（心跳），/health 看得到死掉的 worker，以及两个 torchrun "节点"跑流水线
+（唯一起子进程的测试：要的就是真的 torchrun）。
 
 这个文件在顶层只 import 轻的模块：exploding_worker 要在 worker 进程里按模块名重新 import 这个文件
 （conftest 会带进 transformers，多花几秒）。
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ import torch.distributed as dist
 from common.errors import UserError
 from common.weights import load_model
 from step10_tensor_parallel import parallel_layers
-from step10_tensor_parallel.distributed import WorkerFailed, launch, serve_worker
+from step10_tensor_parallel.distributed import WorkerFailed
+from step10_tensor_parallel.launch import launch
+from step10_tensor_parallel.model_runner import serve_worker
 from step10_tensor_parallel.engine import EngineConfig, LLMEngine
 from step10_tensor_parallel.parallel_layers import load_shard
 from step04_static_batching.request import Request
@@ -29,6 +33,7 @@ from step04_static_batching.request import Request
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = str(ROOT / "step10_tensor_parallel" / "run.py")
 TEST_TIMEOUT = datetime.timedelta(seconds=60)   # 挂住的通信最多等这么久就抛错，测试不会一直挂着
+IDLE = datetime.timedelta(seconds=3)            # 测试里 worker 等 rank 0 下一条消息的超时（默认 30 分钟）
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,80 @@ def test_ctrl_c_is_handled_by_rank_0_alone(model_dir):
             engine.add_request(requests[0])
             engine.step()
             signal.raise_signal(signal.SIGINT)                       # rank 0 在两步之间被打断
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_a_group_idle_longer_than_the_timeout_still_serves(model_dir, tp, pp):
+    """服务器起来之后可以很久没有请求：worker 等下一步计划的 broadcast 有超时（这里缩短到 3 秒），rank 0 空闲时的
+    心跳让它等得到。空闲 8 秒之后下一个请求照常算完、输出相同；关掉这个引擎、再空闲 8 秒（worker 在等下一个引擎的
+    配置），下一个引擎也照常。"""
+    requests = [Request([3, 4, 5, 6, 7] * i, 6) for i in range(1, 3)]
+    with launch(tp, pp, serve_worker, (model_dir, "cpu", torch.float32), threads=1, timeout=TEST_TIMEOUT,
+                idle_timeout=IDLE) as par:
+        model = load_shard(model_dir, par, "cpu", torch.float32)
+        engine = LLMEngine(model, EngineConfig(32, 4, 4, 16, enable_prefix_caching=False), parallel=par)
+        first = engine.generate(requests).outputs
+        time.sleep(IDLE.total_seconds() * 8 / 3)
+        assert engine.generate(requests).outputs == first and engine.worker_failure() is None
+        assert len(engine.close()) == tp * pp
+        time.sleep(IDLE.total_seconds() * 8 / 3)
+        engine = LLMEngine(model, EngineConfig(32, 4, 4, 16, enable_prefix_caching=False), parallel=par)
+        assert engine.generate(requests).outputs == first
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+
+
+def test_a_dead_worker_is_reported_by_health_and_closing_is_quiet(model_dir):
+    """空闲时一个 worker 被 kill -9：worker_failure()（服务器的 /health 用它）不通信就报出是哪个 rank；下一次 step()
+    抛出同一个原因；之后 close() 与 launch 的收尾不再抛错（服务器退出时不该有 traceback），进程全部退出。"""
+    with launch(2, 1, serve_worker, (model_dir, "cpu", torch.float32), threads=1, timeout=TEST_TIMEOUT) as par:
+        engine = LLMEngine(load_shard(model_dir, par, "cpu", torch.float32), EngineConfig(32, 4, 4, 16), parallel=par)
+        assert [len(o) for o in engine.generate([Request([3, 4, 5], 4)]).outputs] == [4]
+        assert engine.worker_failure() is None
+        (worker,) = multiprocessing.active_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        failure = engine.worker_failure()
+        assert isinstance(failure, WorkerFailed) and "rank 1 exited with code -9" in str(failure)
+        with pytest.raises(WorkerFailed, match="rank 1 exited with code -9"):
+            engine.generate([Request([3, 4, 5], 4)])
+        assert engine.close() == []
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+
+
+def test_closing_after_a_failed_step_is_quiet(model_dir):
+    """一个 worker 在前向里抛错：那一步抛出 WorkerFailed（原因那一行）；之后 close() 返回 []、launch 的收尾不抛错——
+    服务器在一步出错之后还要正常关闭（step11 的 serving_engine 在退出时调用 close()）。"""
+    with launch(2, 1, exploding_worker, (model_dir, 1, 2), threads=1, timeout=TEST_TIMEOUT) as par:
+        engine = LLMEngine(load_shard(model_dir, par, "cpu", torch.float32), EngineConfig(32, 4, 4, 16), parallel=par)
+        with pytest.raises(WorkerFailed, match="rank 1: ValueError: boom in forward 2"):
+            engine.generate([Request([3, 4, 5], 4)])
+        assert engine.close() == [] and "boom in forward 2" in str(engine.worker_failure())
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+
+
+def test_server_health_reports_a_dead_worker(tiny_tok_dir):
+    """step11 的服务器挂 --tp 2 的 step10 引擎：worker 被 kill -9 之后 /health 回 503 并说出是哪个 rank，新请求回 503；
+    服务器与 worker 照常收尾。"""
+    import argparse
+
+    import httpx
+
+    from common.cli import open_session
+    from step11_serving.api_server import serve_in_thread
+    from step11_serving.engines import add_engine_args, serving_engine
+    s = open_session(str(tiny_tok_dir), "cpu", "float32")
+    p = argparse.ArgumentParser()
+    add_engine_args(p, "step10")
+    with serving_engine("step10", s, p.parse_args(["--num-blocks", "64", "--block-size", "4", "--tp", "2"])) as engine:
+        with serve_in_thread(s, engine, 4) as server:
+            assert httpx.get(server.url + "/health").status_code == 200
+            (worker,) = multiprocessing.active_children()
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+            r = httpx.get(server.url + "/health")
+            assert r.status_code == 503 and "rank 1 exited with code -9" in r.json()["error"]
+            assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
     assert not dist.is_initialized() and not multiprocessing.active_children()
 
 

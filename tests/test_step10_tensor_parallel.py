@@ -10,7 +10,6 @@
 import datetime
 import multiprocessing
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,9 @@ from conftest import cli_error, make_tiny_model_dir
 from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step10_tensor_parallel import run as step10_run
-from step10_tensor_parallel.distributed import WorkerFailed, launch, serve_worker
+from step10_tensor_parallel.distributed import Layout, WorkerFailed
+from step10_tensor_parallel.launch import launch
+from step10_tensor_parallel.model_runner import serve_worker
 from step10_tensor_parallel.engine import EngineConfig, LLMEngine
 from step10_tensor_parallel.kv_cache import PagedKVCache
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard
@@ -47,11 +48,6 @@ def full(model_dir):
     return load_model(model_dir, "cpu", torch.float32)
 
 
-def layout(rank: int, tp: int, pp: int = 1):
-    """只用来装切片、不做通信的"并行位置"（不起进程）。"""
-    return SimpleNamespace(rank=rank, tp_size=tp, pp_size=pp, tp_group=None)
-
-
 # ---------- 进程内：切片与字节 ----------
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -60,7 +56,7 @@ def test_shards_reassemble_the_full_weights(tmp_path, arch):
     就是完整模型的矩阵；bias（qwen2）、q/k norm（qwen3）、RMSNorm 跟着切或整份复制；每一层只在它的 stage 上。"""
     d = make_tiny_model_dir(tmp_path / arch, arch, num_hidden_layers=3)
     ref = dict(load_model(d, "cpu", torch.float32).named_parameters())
-    shards = [load_shard(d, layout(r, 2, 2), "cpu", torch.float32) for r in range(4)]
+    shards = [load_shard(d, Layout(r, 2, 2), "cpu", torch.float32) for r in range(4)]
     assert [list(m.shard.layers) for m in shards] == [[0], [0], [1, 2], [1, 2]]
     got = {}
     for m in shards:
@@ -94,17 +90,17 @@ def test_each_rank_holds_1_over_tp_of_the_weights_and_of_the_kv_pool(model_dir, 
     norms = sum(p.nbytes for n, p in full.named_parameters() if "norm" in n)
     pool = PagedKVCache(cfg, 8, 4, "cpu", torch.float32).nbytes
     for r in range(2):
-        m = load_shard(model_dir, layout(r, 2), "cpu", torch.float32)
+        m = load_shard(model_dir, Layout(r, 2, 1), "cpu", torch.float32)
         assert param_bytes(m) - norms == (param_bytes(full) - norms) / 2
         assert PagedKVCache(m.cfg, 8, 4, "cpu", torch.float32).nbytes * 2 == pool
     D = cfg.head_dim
     for r in range(4):
-        m = load_shard(model_dir, layout(r, 4), "cpu", torch.float32)
+        m = load_shard(model_dir, Layout(r, 4, 1), "cpu", torch.float32)
         assert m.shard.kv_heads == range(r // 2, r // 2 + 1) and m.cfg.num_kv_heads == 1 and m.cfg.num_heads == 1
         k = m.layers[0].self_attn.k_proj.weight                                         # (E, D)
         assert torch.equal(k, full.layers[0].self_attn.k_proj.weight[:, r // 2 * D:(r // 2 + 1) * D])
         assert PagedKVCache(m.cfg, 8, 4, "cpu", torch.float32).nbytes * 2 == pool
-    last = load_shard(model_dir, layout(3, 4), "cpu", torch.float32)                    # 词表 250 = 63 × 4 − 2
+    last = load_shard(model_dir, Layout(3, 4, 1), "cpu", torch.float32)                    # 词表 250 = 63 × 4 − 2
     assert last.embed_tokens.weight.shape[0] == 63 and not last.embed_tokens.weight[-2:].any()
 
 
