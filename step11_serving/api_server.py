@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.errors import UserError
 
 from . import protocol as P
-from .async_engine import AsyncLLMEngine, EngineUnavailable, RequestHandle, ServerBusy
+from .async_engine import STALL_S, AsyncLLMEngine, EngineUnavailable, RequestFailed, RequestHandle, ServerBusy
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("step11_serving")
@@ -202,10 +202,11 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if aengine.healthy:
+        """200 = 能服务。503：引擎死了（进程马上退出）、正在关闭、或引擎一步卡住超过 stall_s 秒——supervisor 据此重启。"""
+        problem = aengine.health_problem()
+        if problem is None:
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "error": str(aengine.error) if aengine.error else "shutting down"},
-                            status_code=503)
+        return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -233,9 +234,16 @@ async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usag
                 yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))
-    except EngineUnavailable as e:                  # 响应头已经发出，只能在流里报错（vLLM 也这样）
-        yield P.sse(P.APIError(503, str(e), "server_error").body())
+    except (EngineUnavailable, RequestFailed) as e:   # 响应头已经发出，只能在流里报错（vLLM 也这样）
+        yield P.sse(error_for(e).body())
     yield P.sse("[DONE]")
+
+
+def error_for(e: Exception) -> P.APIError:
+    """引擎死了 / 正在关闭 → 503；只是这个请求失败了 → 500（服务器照常服务别的请求）。"""
+    if isinstance(e, RequestFailed):
+        return P.APIError(500, f"this request failed: {e}", "server_error")
+    return P.APIError(503, str(e), "server_error")
 
 
 async def collect(handle: RequestHandle):
@@ -244,8 +252,8 @@ async def collect(handle: RequestHandle):
         async for d in handle.deltas():
             texts[d.index] += d.text
             reasons[d.index] = d.finish_reason or reasons[d.index]
-    except EngineUnavailable as e:
-        raise P.APIError(503, str(e), "server_error") from None
+    except (EngineUnavailable, RequestFailed) as e:
+        raise error_for(e) from None
     return texts, reasons
 
 
@@ -282,6 +290,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn 的优雅关闭（停止接收 → 等进行中的响应最多 timeout_graceful_shutdown 秒 → 取消剩下的任务）中间
+    加一步：宽限期到了先在引擎里取消还没完的请求，让它们的客户端收到 finish_reason "abort" 和 [DONE]
+    （最多再等 FLUSH_S 秒把这最后的 chunk 发出去），uvicorn 再取消仍没结束的。"""
+    FLUSH_S = 2.0
+
+    def __init__(self, app: FastAPI, shutdown_timeout: float, **kw):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **kw))
+        self.aengine, self.grace = app.state.aengine, shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        async def abort_after_grace():
+            await asyncio.sleep(self.grace)
+            self.aengine.abort_all()
+        drain = asyncio.create_task(abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
 class ServerThread:
     """在后台线程里跑 uvicorn，监听 127.0.0.1 的一个空闲端口（测试、run.py 的章节模式、基准用）。
     stop() 与 Ctrl-C 走同一条优雅关闭的路：停止接收 → 等进行中的响应（最多 shutdown_timeout 秒）→ 关引擎。"""
@@ -290,10 +319,15 @@ class ServerThread:
         self.app = app
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=shutdown_timeout))
+        self.server = DrainingServer(app, shutdown_timeout, log_level="warning", lifespan="on")
+        self.exit_code: Optional[int] = None       # 引擎死了时 1：main() 里这就是进程的退出码，这里只记下、停服务器
+        app.state.aengine.on_dead = self._engine_dead
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="uvicorn")
+
+    def _engine_dead(self, error: BaseException) -> None:
+        self.exit_code = 1
+        self.server.should_exit = True
 
     def start(self, timeout: float = 60.0) -> "ServerThread":
         self.thread.start()
@@ -341,6 +375,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
+    p.add_argument("--stall-timeout", type=float, default=STALL_S,
+                   help="引擎的一步超过这么多秒还没完成，/health 就回 503（让 supervisor 重启卡住的进程）")
     from common.cli import add_compile_arg
     add_compile_arg(p, "decode 步用编译好的图（每个批大小桶一张，开始服务前先编译）；只用于一个进程（不和 --tp/--pp 一起）")
     return p
@@ -371,7 +407,7 @@ def main(argv=None) -> None:
         except UserError as e:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
             sys.exit(2)
-        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
+        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting, stall_s=args.stall_timeout)
         settings = settings_for(session, engine, args.block_size, api_key=args.api_key,
                                 max_body_bytes=args.max_body_bytes)
         app = build_app(aengine, session.tok, settings)
@@ -381,7 +417,24 @@ def main(argv=None) -> None:
                         args.host)
         print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
               f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
-        uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+        code = serve(app, sock, args.shutdown_timeout)
+    if code:
+        sys.exit(code)
+
+
+def serve(app: FastAPI, sock: socket.socket, shutdown_timeout: float) -> int:
+    """在前台跑 uvicorn 直到 Ctrl-C（返回 0）或引擎死了（返回 1：每个在等的请求都已收到错误，
+    进程以非零码退出，由 supervisor 重启——与 vLLM 的 EngineDeadError 相同，不留一个只会回 503 的进程）。"""
+    server = DrainingServer(app, shutdown_timeout)
+    aengine = app.state.aengine
+
+    def engine_dead(error: BaseException) -> None:
+        log.critical("the engine is dead (%s: %s): exiting so that a supervisor restarts the server",
+                     type(error).__name__, error)
+        server.should_exit = True
+    aengine.on_dead = engine_dead
+    server.run(sockets=[sock])
+    return 1 if aengine.error is not None else 0
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,232 @@
+"""step11：服务器的可靠性。
+
+- 一个请求的失败只结束它自己（注入：它的增量解码抛出；真实引擎里它的采样抛出）：它得到 SSE 的 error 事件或 500，
+  块还回池子，同时在跑的别的请求逐 token 照常完成，服务器照常服务；
+- 引擎自己的失败（前向抛出）：每个在等的请求都收到错误，服务器以非零码退出（进程内：ServerThread.exit_code；
+  真实进程：子进程的退出码）；/health 在引擎一步卡住太久时报 503；
+- 输入有界、有检查：停止串的个数与长度、嵌套层数、n × 提示词数 > --max-waiting、不认识 / 没实现的字段都是 400 指名字段；
+  停止串只由服务器在文本尾巴上找一次（引擎拿到的请求不带停止串）；分词与对话模板不在事件循环的线程里跑；
+- 投机解码的引擎（ngram、草稿模型）与默认的 step10 引擎在并发 + 采样下经过服务器，与引擎直接生成相同；
+- 浸泡：敌意请求与正常请求交错打同一个服务器，之后贪心探针的文本与之前相同，没有在跑 / 在等的请求，每个块都空闲。
+"""
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+
+from common.cli import open_session
+from common.compare import MARGIN_TOL, compare
+from common.errors import UserError
+from common.tokenizer import Tokenizer
+from step02_sampling.sampler import SamplingParams, draw_margin
+from step04_static_batching.request import Request
+from step11_serving import async_engine as AE
+from step11_serving import protocol as P
+from step11_serving.detokenizer import IncrementalDetokenizer
+from step11_serving.engines import add_engine_args, build_engine
+from test_step11_fake_engine import FakeEngine
+from test_step11_serving import MODEL, Served, chat_ids, real_engine
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tok_dir):
+    return Tokenizer(tiny_tok_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_session(tiny_tok_dir):
+    return open_session(str(tiny_tok_dir), "cpu", "float32")
+
+
+def sse_events(lines):
+    return [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
+
+
+async def stream_lines(c, path, body):
+    async with c.stream("POST", path, json={**body, "stream": True}) as r:
+        return r.status_code, [line async for line in r.aiter_lines() if line]
+
+
+# ---------------- 一个请求的失败 ----------------
+
+class PoisonDetokenizer(IncrementalDetokenizer):
+    """停止串里有 "POISON" 的请求：第 3 个 token 时增量解码抛出（模拟任何只属于一个请求的后处理错误）。"""
+
+    def push(self, token_ids):
+        if "POISON" in self.stop and len(self.ids) >= 2:
+            raise RuntimeError("poisoned detokenizer")
+        return super().push(token_ids)
+
+
+def test_one_request_failure_ends_only_that_request(tok, monkeypatch):
+    monkeypatch.setattr(AE, "IncrementalDetokenizer", PoisonDetokenizer)
+    server = Served(FakeEngine(tok, step_s=0.005, max_batch_size=8), tok)
+    try:
+        normal = {"prompt": "x", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        poison = {**normal, "stop": ["POISON"]}
+        ref = FakeEngine(tok).generate([Request(tok.encode("x"), 40, ignore_eos=True)]).outputs[0]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+                return await asyncio.gather(
+                    *(stream_lines(c, "/v1/completions", normal) for _ in range(3)),
+                    stream_lines(c, "/v1/completions", poison), c.post("/v1/completions", json=poison),
+                    c.post("/v1/completions", json={**normal, "n": 2}))
+        *normals, (pcode, plines), pfull, nfull = asyncio.run(asyncio.wait_for(main(), 60))
+        for code, lines in normals:                          # 同一批里的别的请求逐 token 照常完成
+            ev = sse_events(lines)
+            assert code == 200 and lines[-1] == "data: [DONE]"
+            assert "".join(e["choices"][0]["text"] for e in ev) == tok.decode(ref)
+            assert ev[-1]["choices"][0]["finish_reason"] == "length"
+        assert nfull.status_code == 200 and [c["text"] for c in nfull.json()["choices"]] == [tok.decode(ref)] * 2
+        # 失败的那个：流里一个 error 事件再 [DONE]；非流式 500；都说明了原因
+        assert pcode == 200 and plines[-1] == "data: [DONE]"
+        err = json.loads(plines[-2].removeprefix("data: "))["error"]
+        assert err["code"] == 500 and "poisoned" in err["message"]
+        assert pfull.status_code == 500 and "poisoned" in pfull.json()["error"]["message"]
+        server.wait_idle()
+        assert server.pool_is_free() and server.thread.exit_code is None
+        assert server.metric('llm_requests_total{finish_reason="error"}') == 2
+        assert httpx.get(server.url + "/health").status_code == 200
+        r = httpx.post(server.url + "/v1/completions", json={**normal, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()
+
+
+def test_real_engine_sampling_failure_ends_only_that_request(tiny_session, monkeypatch):
+    """真实的 step10 引擎：一个请求的采样抛出（注入：种子为 666 的请求）→ 引擎只结束它（finish_reason "error"），
+    同一批的贪心请求与没有它时逐 token 相同，块全部还回。"""
+    import step10_tensor_parallel.engine as E10
+    real_verify = E10.verify
+
+    def verify(rows, history, proposal, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("injected sampling failure")
+        return real_verify(rows, history, proposal, params, generator)
+    s = tiny_session
+    ids = chat_ids(s.tok, "讲个笑话")
+    ref = real_engine("step10", s).generate([Request(ids, 12, SamplingParams(), ignore_eos=True)]).outputs[0]
+    monkeypatch.setattr(E10, "verify", verify)
+    server = Served(real_engine("step10", s), s.tok)
+    try:
+        good = {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        bad = {**good, "temperature": 0.8, "seed": 666}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                return await asyncio.gather(c.post("/v1/completions", json=good), c.post("/v1/completions", json=bad),
+                                            stream_lines(c, "/v1/completions", bad))
+        g, b, (_, blines) = asyncio.run(asyncio.wait_for(main(), 120))
+        assert g.status_code == 200 and g.json()["choices"][0]["token_ids"] == ref
+        assert b.status_code == 500 and "injected sampling failure" in b.json()["error"]["message"]
+        assert "injected sampling failure" in blines[-2] and blines[-1] == "data: [DONE]"
+        server.wait_idle()
+        assert server.pool_is_free() and server.thread.exit_code is None
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+# ---------------- 引擎自己的失败 ----------------
+
+class BrokenForward(FakeEngine):
+    """生成了 6 个 token 以后，step()（"前向"）抛出：引擎自己的失败。"""
+
+    def step(self):
+        out = super().step()
+        if sum(len(s.output_ids) for s in self.scheduler.running) > 6:
+            raise RuntimeError("boom")
+        return out
+
+
+def test_engine_failure_answers_everyone_and_stops_the_server(tok):
+    server = Served(BrokenForward(tok, step_s=0.005), tok)
+    try:
+        body = {"prompt": "x", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+                return await asyncio.gather(c.post("/v1/completions", json=body), stream_lines(c, "/v1/completions", body))
+        full, (_, lines) = asyncio.run(asyncio.wait_for(main(), 30))
+        assert full.status_code == 503 and "boom" in full.json()["error"]["message"]
+        assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
+        server.thread.thread.join(30)                        # 服务器自己停下（main() 里：进程以 1 退出）
+        assert not server.thread.thread.is_alive() and server.thread.exit_code == 1
+        assert server.aengine.health_problem().startswith("the engine failed")
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(server.url + "/v1/completions", json=body)
+    finally:
+        server.stop()
+
+
+def test_engine_failure_exits_the_process_nonzero(tiny_tok_dir, tmp_path):
+    """真实进程的那条路（api_server.serve，main() 用的就是它）：引擎死了 → 在等的请求得到 503 → 进程退出码 1。"""
+    script = tmp_path / "serve_broken.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        from common.tokenizer import Tokenizer
+        from step11_serving.api_server import ServerSettings, bind, build_app, serve
+        from step11_serving.async_engine import AsyncLLMEngine
+        from test_step11_reliability import BrokenForward
+        tok = Tokenizer({str(tiny_tok_dir)!r})
+        engine = BrokenForward(tok, step_s=0.005)
+        app = build_app(AsyncLLMEngine(engine, tok), tok, ServerSettings("tiny", 2048, tok.hf.vocab_size, 1024))
+        sock = bind("127.0.0.1", 0)
+        print(sock.getsockname()[1], flush=True)
+        sys.exit(serve(app, sock, 2.0))
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:                                          # uvicorn 开始接收之前连接会被拒绝
+            try:
+                assert httpx.get(url + "/health").status_code == 200
+                break
+            except httpx.ConnectError:
+                assert time.time() - t0 < 60
+                time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 50, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=30)
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert proc.wait(60) == 1
+        assert "exiting so that a supervisor restarts" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_health_reports_a_stalled_engine(tok):
+    """一步跑了超过 stall_s 秒：/health 503（卡住的进程 supervisor 也要看得见）；这一步完成后又是 200。"""
+    engine = FakeEngine(tok, step_s=1.5)
+    server = Served(engine, tok)
+    server.aengine.stall_s = 0.2
+    try:
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+            server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0}, timeout=30)))
+        t.start()
+        seen, t0 = [], time.time()
+        while t.is_alive() and time.time() - t0 < 30:
+            h = httpx.get(server.url + "/health")
+            seen.append((h.status_code, h.json().get("error", "")))
+            time.sleep(0.05)
+        t.join()
+        assert done["r"].status_code == 200
+        assert any(code == 503 and "has not completed a step" in err for code, err in seen), seen
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
