@@ -171,7 +171,7 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
         arrival = time.perf_counter()
         req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
         check_model(req.model)
-        ids = P.encode_chat(tok, req.messages)
+        ids = await asyncio.to_thread(P.encode_chat, tok, req.messages)   # 模板与分词不占事件循环
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         inputs = P.engine_inputs(req, [ids], max_tokens, default_max_tokens)
         return await submit(request, req, inputs, True, 1, arrival)
@@ -182,7 +182,7 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
         req = P.parse_request(P.CompletionRequest, await read_json(request))
         check_model(req.model)
         try:
-            prompts = P.encode_prompts(tok, req.prompt, s.vocab_size)
+            prompts = await asyncio.to_thread(P.encode_prompts, tok, req.prompt, s.vocab_size)
         except UserError as e:
             raise P.APIError(400, str(e), param="prompt") from None
         max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -28,10 +28,12 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from common.errors import UserError
 
 from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
@@ -145,6 +147,9 @@ class AsyncLLMEngine:
             raise EngineUnavailable(f"the engine stopped after an error: {self.error}")
         if self._closing:
             raise EngineUnavailable("the server is shutting down")
+        if len(requests) > self.max_waiting:       # 永远进不了队列：503 + Retry-After 会让客户端一直重试
+            raise UserError(f"this request needs {len(requests)} engine requests (n x prompts) but at most "
+                            f"{self.max_waiting} can wait (--max-waiting): it can never be admitted")
         if self.num_queued() + len(requests) > self.max_waiting:
             raise ServerBusy(f"{self.num_queued()} requests are already waiting (limit {self.max_waiting})")
         h = RequestHandle(self, requests, time.perf_counter() if arrival is None else arrival)
@@ -224,8 +229,8 @@ class AsyncLLMEngine:
             if h.cancelled or h.added.done():
                 continue
             try:
-                for r in h.requests:
-                    h.request_ids.append(self.engine.add_request(r))
+                for r in h.requests:                       # 停止串由这一层找（见文件开头），引擎不必每步重新解码
+                    h.request_ids.append(self.engine.add_request(replace(r, stop=())))
             except Exception as e:                         # 通常是 UserError：这个 HTTP 请求得到 400
                 for rid in h.request_ids:                  # n 个样本里前几个已经加进去了：一起撤回
                     self.engine.abort(rid)

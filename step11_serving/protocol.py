@@ -23,6 +23,12 @@ from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 
 MAX_N = 16                      # 一个请求最多要几个样本（OpenAI 允许 128；CPU 上 16 已经是好几批）
+# 停止字符串的上限。OpenAI 允许 4 个；常见的客户端（对话模板的几个结束标记）偶尔多于 4 个，所以放宽到 16 个、
+# 每个至多 256 个字符。每个生成的 token 都要在文本尾巴上找一遍每个停止串：不设上限，一个请求带一万个停止串
+# 就能让引擎那一侧和事件循环每个 token 多做一万次查找。
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_JSON_DEPTH = 32             # 请求体的嵌套层数上限（合法的请求不超过 5 层）；更深的嵌套会让解析器递归到栈底
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # /v1/completions 不给 max_tokens 时的默认值（OpenAI 与 vLLM 都是 16）
 
 Number = Annotated[float, Field(strict=True)]   # 接受 JSON 的整数和小数，不接受字符串
@@ -99,13 +105,28 @@ def parse_json(raw: bytes) -> dict:
     """请求体 → dict。NaN / Infinity 不是合法 JSON（Python 的 json 默认却接受），这里拒绝。"""
     def no_constants(name):
         raise ValueError(f"{name} is not valid JSON")
+    too_deep = APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         obj = json.loads(raw, parse_constant=no_constants)
+    except RecursionError:                  # 几千层的 [[[[…]]]]：解析器递归到栈底
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object")
+    if json_depth(obj) > MAX_JSON_DEPTH:    # 解析得了、但后面的检查（pydantic、模板）还会再递归一遍
+        raise too_deep
     return obj
+
+
+def json_depth(obj) -> int:
+    """嵌套层数（不用递归：要量的正是可能深得让递归出错的东西）。"""
+    depth, level = 0, [obj]
+    while level:
+        depth += 1
+        level = [c for x in level if isinstance(x, (dict, list)) for c in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(c, (dict, list))]
+    return depth
 
 
 def parse_request(cls, obj: dict):
@@ -197,6 +218,10 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"a stop string can have at most {MAX_STOP_CHARS} characters", param="stop")
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
     params = sampling_params(req)

@@ -230,3 +230,129 @@ def test_health_reports_a_stalled_engine(tok):
         assert httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()
+
+
+# ---------------- 输入有界、有检查 ----------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+COMP = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    s = Served(FakeEngine(tok, step_s=0.001), tok, max_waiting=8)
+    yield s
+    s.stop()
+
+
+def check_refused(server, path, body, param):
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == 400
+    if param is not None:
+        assert param.split(".")[-1] in err["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    return err
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(P.MAX_STOP_STRINGS + 1)]}, "stop"),
+    ("/v1/completions", {**COMP, "stop": "x" * (P.MAX_STOP_CHARS + 1)}, "stop"),
+    ("/v1/completions", {**COMP, "n": 3, "prompt": ["a", "b", "c"]}, None),          # 9 > --max-waiting 8
+])
+def test_unbounded_inputs_are_400(server, path, body, param):
+    err = check_refused(server, path, body, param)
+    if param is None:                                       # 永远进不了队列：不是 503 + Retry-After（客户端会一直重试）
+        assert "max-waiting" in err["message"]
+
+
+def test_stop_list_at_the_bound_is_accepted(server):
+    stops = [f"never{i}" + "z" * (P.MAX_STOP_CHARS - 7) for i in range(P.MAX_STOP_STRINGS)]
+    assert httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stop": stops}).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**COMP, "n": 4, "prompt": ["a", "b"]})   # 8 个：正好
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+def test_deeply_nested_json_is_400(server):
+    for depth in (P.MAX_JSON_DEPTH + 1, 100_000):
+        raw = '{"model": "tiny", "prompt": "x", "extra": ' + "[" * depth + "]" * depth + "}"
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"], r.text
+    assert P.json_depth({"a": [[{"b": []}]]}) == 5
+
+
+def test_stop_strings_are_matched_once_in_the_server(tok):
+    """引擎拿到的请求不带停止串（它不必每个 token 把整段输出重新解码）；服务器在文本尾巴上找到它，结束原因 "stop"，
+    token 截在停止串出现的那个 token（与引擎自己判断时相同）。"""
+    seen = []
+
+    class Recording(FakeEngine):
+        def add_request(self, r):
+            seen.append(r.stop)
+            return super().add_request(r)
+    server = Served(Recording(tok, step_s=0.001), tok)
+    try:
+        ids = tok.encode("x")
+        stop = "小的模"
+        ref = FakeEngine(tok).generate([Request(ids, 40, ignore_eos=True, stop=(stop,))]).outputs[0]
+        full = FakeEngine(tok).generate([Request(ids, 40, ignore_eos=True)]).outputs[0]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 40, "temperature": 0,
+                                                             "ignore_eos": True, "stop": [stop, "zz"],
+                                                             "return_token_ids": True}).json()
+        c = r["choices"][0]
+        assert c["finish_reason"] == "stop" and c["token_ids"] == ref and len(ref) < 40
+        assert c["text"] == tok.decode(full)[:tok.decode(full).index(stop)]
+        assert r["usage"]["completion_tokens"] == len(ref)
+        assert seen == [()]
+        server.wait_idle()
+        assert server.pool_is_free()
+    finally:
+        server.stop()
+
+
+def test_held_back_equals_brute_force(tok):
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = tuple("".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4)))
+        d = IncrementalDetokenizer(tok, stops)
+        d.text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 10)))
+        brute = max([k for s in stops for k in range(1, len(s)) if d.text.endswith(s[:k])], default=0)
+        assert d._held_back() == brute, (stops, d.text)
+
+
+def test_tokenization_runs_off_the_event_loop(tok):
+    """对话模板与分词在工作线程里跑（asyncio.to_thread）：事件循环的线程（uvicorn）从不执行它们。"""
+    threads = []
+
+    class HF:
+        def __init__(self, hf):
+            self._hf = hf
+
+        def __getattr__(self, name):
+            return getattr(self._hf, name)
+
+        def __call__(self, *a, **kw):
+            threads.append(threading.current_thread().name)
+            return self._hf(*a, **kw)
+
+    class Tok:
+        def __init__(self, t):
+            self._t, self.hf = t, HF(t.hf)
+
+        def __getattr__(self, name):
+            return getattr(self._t, name)
+
+        def encode(self, *a, **kw):
+            threads.append(threading.current_thread().name)
+            return self._t.encode(*a, **kw)
+    wrapped = Tok(tok)
+    server = Served(FakeEngine(tok), wrapped)
+    try:
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+        assert httpx.post(server.url + "/v1/completions", json=COMP).status_code == 200
+        assert len(threads) >= 2 and "uvicorn" not in threads, threads
+    finally:
+        server.stop()
