@@ -47,7 +47,9 @@ class APIError(Exception):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")    # 不认识的字段忽略（vLLM 也是）；认识但不支持的字段见 _reject_unsupported
+    # 不认识的字段拒绝（400，指名字段）而不是悄悄忽略：客户端以为起了作用的参数（例如 presence_penalty），
+    # 其实什么也没做，是最难查的一种错。OpenAI 有、这里没实现的字段见 _reject_unsupported：只接受"等于没用"的值
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Model):
@@ -84,9 +86,16 @@ class _SamplingRequest(_Model):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
-    logprobs: object = None      # 不支持：给了非默认值就 400
-    best_of: object = None
-    echo: object = None
+    user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
+    # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
+    logprobs: object = None
+    presence_penalty: object = None
+    frequency_penalty: object = None
+    logit_bias: object = None
+    response_format: object = None
+    stop_token_ids: object = None          # vLLM 的扩展
+    min_tokens: object = None              # vLLM 的扩展
+    include_stop_str_in_output: object = None   # vLLM 的扩展
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -94,11 +103,26 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[StrictInt] = None   # 新版 OpenAI 的名字；优先于 max_tokens
     top_logprobs: object = None
     tools: object = None
+    tool_choice: object = None
+    parallel_tool_calls: object = None
+    functions: object = None
+    function_call: object = None
+    modalities: object = None
+    audio: object = None
+    prediction: object = None
+    reasoning_effort: object = None
+    store: object = None
+    metadata: object = None
+    service_tier: object = None
+    web_search_options: object = None
 
 
 class CompletionRequest(_SamplingRequest):
     # 一个字符串、一串 token id，或它们的列表（批量：choices 的 index = 第几个提示词 × n + 第几个样本）
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    best_of: object = None
+    echo: object = None
+    suffix: object = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -135,24 +159,53 @@ def parse_request(cls, obj: dict):
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field `{loc}`: this server does not support it", param=loc) from None
         raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
                        param=str(err["loc"][0]) if err["loc"] else None) from None
     _reject_unsupported(req)
     return req
 
 
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
-               "tools": (None, [])}     # 字段 → 允许的值（都等于"没用这个功能"）
+# OpenAI（与 vLLM）有、这里没实现的字段 → 接受的值：都等于"没用这个功能"（OpenAI 的默认值）。别的值 400 指名字段，
+# 而不是 200 却没有效果。best_of 另外还接受等于 n。
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""), "stop_token_ids": (None, []),
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
+}
 
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
     for name, allowed in UNSUPPORTED.items():
-        if getattr(req, name, None) not in allowed:
-            raise APIError(400, f"{name} is not supported by this server", param=name)
+        if name not in type(req).model_fields:
+            continue
+        value = getattr(req, name)
+        if name == "best_of" and value == req.n:
+            continue
+        if not any(_same(value, a) for a in allowed):
+            raise APIError(400, f"{name} is not supported by this server (only {' / '.join(map(_show, allowed))} "
+                                f"is accepted: it changes nothing), got {json.dumps(value)}", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be given together with stream=true", param="stream_options")
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def _same(value, allowed) -> bool:
+    """JSON 值相等：0 与 0.0 相同，但 false 不等于 0、null 只等于 null。"""
+    if allowed is None or isinstance(allowed, bool) or isinstance(value, bool):
+        return value is allowed
+    return value == allowed
+
+
+def _show(v) -> str:
+    return json.dumps(v)
 
 
 @dataclass

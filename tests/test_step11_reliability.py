@@ -356,3 +356,42 @@ def test_tokenization_runs_off_the_event_loop(tok):
         assert len(threads) >= 2 and "uvicorn" not in threads, threads
     finally:
         server.stop()
+
+
+# ---------------- 不悄悄忽略：没实现的字段拒绝、指名 ----------------
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/completions", {**COMP, "suffix": "end"}, "suffix"),
+    ("/v1/completions", {**COMP, "stop_token_ids": [5]}, "stop_token_ids"),
+    ("/v1/completions", {**COMP, "min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {**COMP, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {**COMP, "best_of": 3}, "best_of"),
+    ("/v1/completions", {**COMP, "echo": True}, "echo"),
+    ("/v1/completions", {**COMP, "logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": False}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "no_such_field": 1}, "no_such_field"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+])
+def test_unimplemented_fields_are_refused_by_name(server, path, body, param):
+    check_refused(server, path, body, param)
+
+
+@pytest.mark.parametrize("extra", [
+    {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}},
+    {"logit_bias": None, "tools": None, "tool_choice": "none", "user": "alice", "seed": 3, "n": 2, "logprobs": False},
+    {"store": False, "metadata": {}, "top_logprobs": 0, "parallel_tool_calls": True},
+])
+def test_default_values_of_unimplemented_fields_are_accepted(server, extra):
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/completions", json={**COMP, "best_of": 2, "n": 2, "echo": False, "suffix": None})
+    assert r.status_code == 200, r.text
