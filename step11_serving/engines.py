@@ -65,6 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
             g.add_argument(flag, dest=f.name, type=float, default=default)
         else:
             g.add_argument(flag, dest=f.name, type=str, default=default)
+    if "spec_method" in {f.name for f, _, _ in _fields(engine_module(name).EngineConfig)}:
+        g.add_argument("--draft-model", default=None, metavar="DIR",
+                       help="--spec-method draft 的草稿模型（HF 目录，与目标同一个分词器）")
     if name in PARALLEL_ENGINES:
         g.add_argument("--tp", type=positive_int, default=1, help="张量并行的进程数（要整除头数；只用 CPU + gloo）")
         g.add_argument("--pp", type=positive_int, default=1, help="流水线并行的 stage 数")
@@ -97,12 +100,19 @@ def build_engine(name: str, session, args, parallel=None):
     mod = engine_module(name)
     kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
-        extra = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
+        kv = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
         kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
-                                                         DEFAULT_KV_MIB, **extra))
+                                                         DEFAULT_KV_MIB, **kv))
+    extra = {"parallel": parallel} if parallel is not None else {}
+    draft = getattr(args, "draft_model", None)
+    if (kw.get("spec_method") == "draft") != bool(draft):
+        raise UserError("--spec-method draft needs --draft-model DIR" if draft is None else
+                        f"--draft-model is only used with --spec-method draft (got {kw.get('spec_method')})")
+    if draft:                                  # 与目标同一设备、同一 dtype
+        from common.cli import open_session
+        extra["draft_model"] = open_session(draft, session.device, session.dtype_name).model
     try:
         config = mod.EngineConfig(**kw)
-        extra = {"parallel": parallel} if parallel is not None else {}
         return mod.LLMEngine(session.model, config, tokenizer=session.tok, eos_ids=session.tok.eos_ids,
                              clock=WallClock(), **extra)
     except (TypeError, ValueError) as e:

@@ -395,3 +395,19 @@ def test_default_values_of_unimplemented_fields_are_accepted(server, extra):
     assert r.status_code == 200, r.text
     r = httpx.post(server.url + "/v1/completions", json={**COMP, "best_of": 2, "n": 2, "echo": False, "suffix": None})
     assert r.status_code == 200, r.text
+
+
+# ---------------- --draft-model ----------------
+
+def test_server_spec_method_draft_needs_and_uses_draft_model(tiny_tok_dir, tiny_session):
+    from step11_serving.api_server import make_parser
+    p = make_parser()
+    add_engine_args(p, "step10")
+    base = ["--num-blocks", "64", "--block-size", "4"]
+    e = build_engine("step10", tiny_session, p.parse_args([*base, "--spec-method", "draft", "--draft-model",
+                                                           str(tiny_tok_dir)]))
+    assert type(e.proposer).__name__ == "DraftModelProposer"
+    with pytest.raises(UserError, match="--draft-model"):
+        build_engine("step10", tiny_session, p.parse_args([*base, "--spec-method", "draft"]))
+    with pytest.raises(UserError, match="--spec-method draft"):
+        build_engine("step10", tiny_session, p.parse_args([*base, "--draft-model", str(tiny_tok_dir)]))
