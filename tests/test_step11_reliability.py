@@ -411,3 +411,112 @@ def test_server_spec_method_draft_needs_and_uses_draft_model(tiny_tok_dir, tiny_
         build_engine("step10", tiny_session, p.parse_args([*base, "--spec-method", "draft"]))
     with pytest.raises(UserError, match="--spec-method draft"):
         build_engine("step10", tiny_session, p.parse_args([*base, "--draft-model", str(tiny_tok_dir)]))
+
+
+# ---------------- 投机解码与默认引擎：并发 + 采样 ----------------
+
+@pytest.mark.parametrize("name,flags", [
+    ("step10", ()),
+    ("step09", ("--spec-method", "ngram")),
+    ("step10", ("--spec-method", "draft", "--draft-model", "TINY")),
+])
+def test_batched_sampling_through_the_server_equals_the_engine(name, flags, tiny_tok_dir, tiny_session):
+    """6 个并发请求（贪心与带种子的采样、一个带停止串）经过服务器 == 同类引擎直接生成（批的组成不同：near-tie 规则）。"""
+    s = tiny_session
+    flags = [str(tiny_tok_dir) if f == "TINY" else f for f in flags]
+    make = lambda: real_engine(name, s, "--max-batch-size", "4", *flags)   # noqa: E731
+    server = Served(make(), s.tok)
+    try:
+        prompts = [chat_ids(s.tok, f"第 {i} 个问题：{'长城' * i}") for i in range(6)]
+        temps = [0.0, 0.8, 0.0, 1.0, 0.7, 0.0]
+        reqs = [Request(p, 16, SamplingParams(temperature=t, seed=i), ignore_eos=True) for i, (p, t) in
+                enumerate(zip(prompts, temps))]
+        ref = make().generate(reqs).outputs
+        k = next(k for k in range(10, 2, -1) if "\ufffd" not in s.tok.decode(ref[5][:k]))
+        stop = s.tok.decode(ref[5][:k])[-2:]                # 贪心输出中间的两个字符
+
+        async def one(c, i):
+            body = {"prompt": prompts[i], "max_tokens": 16, "temperature": temps[i], "seed": i, "ignore_eos": True,
+                    "return_token_ids": True, **({"stop": stop} if i == 5 else {})}
+            r = await c.post("/v1/completions", json=body)
+            return r.json()["choices"][0]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, i) for i in range(6)))
+        got = asyncio.run(asyncio.wait_for(main(), 300))
+        for i, ch in enumerate(got[:5]):
+            cmp = compare(f"#{i}", prompts[i], ref[i], ch["token_ids"], s.full_logits, MARGIN_TOL[s.dtype],
+                          draw_margin(reqs[i].params))
+            assert cmp.ok, cmp.describe()
+            assert ch["text"] == s.tok.decode(ch["token_ids"])
+        ids5 = got[5]["token_ids"]
+        cmp = compare("stop", prompts[5], ref[5][:len(ids5)], ids5, s.full_logits, MARGIN_TOL[s.dtype])
+        assert cmp.ok, cmp.describe()
+        full5 = s.tok.decode(ids5)                           # 截在停止串出现的 token；文本到停止串之前为止
+        assert got[5]["finish_reason"] == "stop" and stop in full5 and stop not in s.tok.decode(ids5[:-1])
+        assert got[5]["text"] == full5[:full5.index(stop)]
+        server.wait_idle()
+        assert server.pool_is_free()
+        assert server.aengine.peak_running >= 2                 # 真的在批里一起跑
+    finally:
+        server.stop()
+
+
+# ---------------- 浸泡 ----------------
+
+def test_soak_hostile_and_normal_requests(tiny_session):
+    """敌意请求（极端采样值、超长停止串列表、深嵌套 JSON、不认识的字段、中途断开、注定失败的采样）与正常请求交错打
+    同一个 step10 服务器；之后贪心探针的文本与之前逐字相同，/metrics 没有在跑 / 在等的请求，每个 KV 块都空闲。"""
+    s = tiny_session
+    server = Served(real_engine("step10", s, "--max-batch-size", "4"), s.tok, max_waiting=64)
+    C, K = "/v1/chat/completions", "/v1/completions"
+    probe = {"model": MODEL, "messages": [{"role": "user", "content": "讲个笑话"}], "max_tokens": 12, "temperature": 0}
+    try:
+        def probe_text():
+            r = httpx.post(server.url + C, json=probe, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        before = probe_text()
+        normal = {"prompt": "长城", "max_tokens": 8, "temperature": 0.8, "seed": 1}
+        hostile = [
+            (K, {**normal, "temperature": 1e-40}), (K, {**normal, "temperature": 1e6}), (K, {**normal, "top_p": 1e-30}),
+            (K, {**normal, "min_p": 1.0}), (K, {**normal, "repetition_penalty": 1e30}),
+            (K, {**normal, "repetition_penalty": 1e-30}), (K, {**normal, "top_k": 10**9}),
+            (K, {**normal, "temperature": 5e-324, "stream": True}),
+            (K, {**normal, "stop": ["x"] * 10_000}), (K, {**normal, "presence_penalty": 2}),
+            (K, {**normal, "no_such_field": {"a": 1}}), (K, {**normal, "n": 16, "prompt": ["a"] * 5}),
+            (C, b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+        ]
+
+        async def send(c, path, body):
+            kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
+                {"json": body}
+            if isinstance(body, dict) and body.get("stream"):
+                return (await stream_lines(c, path, body))[0]
+            return (await c.post(path, **kw)).status_code
+
+        async def disconnect(c):
+            async with c.stream("POST", K, json={**normal, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break                                    # 读到第一行就关连接
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                jobs = []
+                for path, body in hostile:
+                    jobs += [send(c, path, body), send(c, K, normal), disconnect(c)]
+                return await asyncio.gather(*jobs, return_exceptions=True)
+        results = asyncio.run(asyncio.wait_for(main(), 300))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        codes = [r for r in results if r is not None]
+        assert all(c in (200, 400, 500) for c in codes), codes     # 没有 503：引擎从没死，也没有人被挤掉
+        assert server.thread.exit_code is None and httpx.get(server.url + "/health").status_code == 200
+        assert probe_text() == before
+        server.wait_idle()
+        assert server.pool_is_free()
+        assert server.metric("llm_num_requests_running") == 0 and server.metric("llm_num_requests_waiting") == 0
+        assert server.metric("llm_kv_blocks_used") == 0
+    finally:
+        server.stop()
