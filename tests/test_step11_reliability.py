@@ -137,6 +137,41 @@ def test_real_engine_sampling_failure_ends_only_that_request(tiny_session, monke
         server.stop()
 
 
+@pytest.mark.parametrize("name", ["step09", "step10"])
+def test_engine_finishes_only_the_request_whose_sampling_fails(name, tiny_session, monkeypatch):
+    """服务器服务的 step09/10 引擎本身：一个请求的采样抛出、或采出词表外的 id（坏掉的分布）→ 只有它以 "error" 结束
+    （RequestOutput.error 带着原因），块还回；同一批的另一个请求与单独生成时逐 token 相同；generate() 把错误抛给调用者。"""
+    import importlib
+    E = importlib.import_module({"step09": "step09_speculative", "step10": "step10_tensor_parallel"}[name] + ".engine")
+    s = tiny_session
+    ids = chat_ids(s.tok, "讲个笑话")
+    ref = real_engine(name, s).generate([Request(ids, 8, SamplingParams(), ignore_eos=True)]).outputs[0]
+    real_verify = E.verify
+
+    def verify(rows, history, proposal, params, generator):
+        if params.seed == 666:
+            return [rows.shape[-1]]                      # 词表外的 id：以前会在下一步的前向里让整批出错
+        if params.seed == 777:
+            raise RuntimeError("injected")
+        return real_verify(rows, history, proposal, params, generator)
+    monkeypatch.setattr(E, "verify", verify)
+    for seed, why in ((666, "outside the vocabulary"), (777, "injected")):
+        e = real_engine(name, s)
+        good = e.add_request(Request(ids, 8, SamplingParams(), ignore_eos=True))
+        bad = e.add_request(Request(ids, 8, SamplingParams(temperature=0.5, seed=seed), ignore_eos=True))
+        got, errors = [], []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                got += o.new_token_ids if o.request_id == good else []
+                if o.request_id == bad:
+                    assert o.finished and o.finish_reason == "error" and not o.new_token_ids
+                    errors.append(o.error)
+        assert got == ref and len(errors) == 1 and why in str(errors[0])
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+        with pytest.raises(Exception, match=why):
+            real_engine(name, s).generate([Request(ids, 8, SamplingParams(temperature=0.5, seed=seed))])
+
+
 # ---------------- 引擎自己的失败 ----------------
 
 class BrokenForward(FakeEngine):
