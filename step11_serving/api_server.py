@@ -382,7 +382,7 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_compile_args(args) -> None:
+def refuse_compile_with_parallel(args) -> None:
     """在加载模型、起 worker 之前检查：编译的是一个进程里的 decode。"""
     if args.compile is not None and getattr(args, "tp", 1) * getattr(args, "pp", 1) > 1:
         raise UserError("--compile compiles one process's decode: drop --tp/--pp")
@@ -399,7 +399,7 @@ def main(argv=None) -> None:
             parser = make_parser()
             add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
             args = parser.parse_args(argv)
-            check_compile_args(args)
+            refuse_compile_with_parallel(args)
             session = open_session(args.model, args.device, args.dtype)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
             compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
