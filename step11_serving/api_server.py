@@ -71,153 +71,178 @@ class AbortOnExitStreamingResponse(StreamingResponse):
             self.handle.abort()
 
 
+# ---------- 应用：各个处理函数在模块里，从 request.app.state 取这个服务器的引擎、分词器与设置 ----------
+
 def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
-    metrics = aengine.metrics
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app):
-        await aengine.start()
-        yield
-        app.state.clean_shutdown = await aengine.shutdown()    # uvicorn 已停止接收、等过了进行中的响应
-        log.info("engine stopped; every KV block free: %s", app.state.clean_shutdown)
-
     app = FastAPI(title="llm-from-scratch step11", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.aengine, app.state.metrics, app.state.settings = aengine, metrics, s
-
-    # ---------- 错误：一律 OpenAI 形状的 JSON，不带 traceback ----------
-    def error(e: P.APIError) -> JSONResponse:
-        metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(P.APIError)
-    async def _api_error(request, e: P.APIError):
-        return error(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):     # 不存在的路径 404、方法不对 405
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return error(P.APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e):
-        return error(P.APIError(400, str(e.errors()[0].get("msg", e))))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request, e: Exception):
-        log.exception("internal error in %s %s", request.method, request.url.path)
-        return error(P.APIError(500, f"internal server error: {type(e).__name__}", "server_error"))
-
-    # ---------- 鉴权与请求体 ----------
-    async def require_api_key(request: Request) -> None:
-        if s.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if not secrets.compare_digest(auth.encode(), f"Bearer {s.api_key}".encode()):   # 比较时间与内容无关
-            raise P.APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", "authentication_error",
-                             headers={"WWW-Authenticate": "Bearer"})
-
-    async def read_json(request: Request) -> dict:
-        """请求体有上限：先看 Content-Length，再边读边数（分块上传没有 Content-Length）。"""
-        limit = s.max_body_bytes
-        too_big = P.APIError(413, f"request body is larger than {limit} bytes")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
-        return P.parse_json(bytes(body))
-
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name != s.model_name:
-            raise P.APIError(404, f"the model `{name}` does not exist (this server serves `{s.model_name}`)",
-                             "not_found_error", param="model")
-
-    # ---------- 提交给异步引擎，返回流式或完整的响应 ----------
-    async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
-        try:
-            handle = await aengine.add(inputs.requests, arrival)
-        except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
-            raise P.APIError(400, str(e)) from None
-        except ServerBusy as e:
-            raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
-        except EngineUnavailable as e:
-            raise P.APIError(503, str(e), "server_error") from None
-        shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
-        n = req.n
-
-        def usage() -> dict:
-            cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
-            return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
-        try:
-            texts, reasons = await until_done_or_disconnect(request, collect(handle))
-        finally:
-            handle.abort()
-        if texts is None:                           # 客户端已经走了：这个响应没人收
-            return Response(status_code=499)
-        return JSONResponse(shape.full(texts, reasons, usage(), handle))
-
-    router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request):
-        arrival = time.perf_counter()
-        req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
-        ids = await asyncio.to_thread(P.encode_chat, tok, req.messages)   # 模板与分词不占事件循环
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        inputs = P.engine_inputs(req, [ids], max_tokens, default_max_tokens)
-        return await submit(request, req, inputs, True, 1, arrival)
-
-    @router.post("/completions")
-    async def completions(request: Request):
-        arrival = time.perf_counter()
-        req = P.parse_request(P.CompletionRequest, await read_json(request))
-        check_model(req.model)
-        try:
-            prompts = await asyncio.to_thread(P.encode_prompts, tok, req.prompt, s.vocab_size)
-        except UserError as e:
-            raise P.APIError(400, str(e), param="prompt") from None
-        max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
-        inputs = P.engine_inputs(req, prompts, max_tokens, default_max_tokens)
-        return await submit(request, req, inputs, False, len(prompts), arrival)
-
-    def default_max_tokens(ids: list[int]) -> int:
-        """chat 不给 max_tokens：一直生成到上下文用完（vLLM 的做法），但不超过池子一个请求最多能放的。"""
-        return max(1, min(s.context_len, s.pool_tokens) - len(ids))
-
-    @router.get("/models")
-    async def models():
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": started,
-                                            "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
-
-    app.include_router(router)
-
-    @app.get("/health")
-    async def health():
-        """200 = 能服务。503：引擎死了（进程马上退出）、正在关闭、或引擎一步卡住超过 stall_s 秒——supervisor 据此重启。"""
-        problem = aengine.health_problem()
-        if problem is None:
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/")
-    async def index():
-        return FileResponse(STATIC / "index.html")
-
+    app.state.aengine, app.state.metrics, app.state.settings = aengine, aengine.metrics, s
+    app.state.tok, app.state.started = tok, int(time.time())
+    app.add_exception_handler(P.APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(v1)
+    app.include_router(plain)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    aengine = app.state.aengine
+    await aengine.start()
+    yield
+    app.state.clean_shutdown = await aengine.shutdown()    # uvicorn 已停止接收、等过了进行中的响应
+    log.info("engine stopped; every KV block free: %s", app.state.clean_shutdown)
+
+
+# ---------- 错误：一律 OpenAI 形状的 JSON，不带 traceback ----------
+def error_response(request: Request, e: P.APIError) -> JSONResponse:
+    request.app.state.metrics.rejected.labels(str(e.status)).inc()
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def api_error(request: Request, e: P.APIError):
+    return error_response(request, e)
+
+
+async def http_error(request: Request, e: StarletteHTTPException):     # 不存在的路径 404、方法不对 405
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+    return error_response(request, P.APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+
+
+async def validation_error(request: Request, e: RequestValidationError):
+    return error_response(request, P.APIError(400, str(e.errors()[0].get("msg", e))))
+
+
+async def internal_error(request: Request, e: Exception):
+    log.exception("internal error in %s %s", request.method, request.url.path)
+    return error_response(request, P.APIError(500, f"internal server error: {type(e).__name__}", "server_error"))
+
+
+# ---------- 鉴权与请求体 ----------
+async def require_api_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    if not secrets.compare_digest(auth.encode(), f"Bearer {key}".encode()):   # 比较时间与内容无关
+        raise P.APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", "authentication_error",
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+async def read_json(request: Request) -> dict:
+    """请求体有上限：先看 Content-Length，再边读边数（分块上传没有 Content-Length）。"""
+    limit = request.app.state.settings.max_body_bytes
+    too_big = P.APIError(413, f"request body is larger than {limit} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    return P.parse_json(bytes(body))
+
+
+def check_model(s: ServerSettings, name: Optional[str]) -> None:
+    if name is not None and name != s.model_name:
+        raise P.APIError(404, f"the model `{name}` does not exist (this server serves `{s.model_name}`)",
+                         "not_found_error", param="model")
+
+
+def default_max_tokens(s: ServerSettings, ids: list[int]) -> int:
+    """chat 不给 max_tokens：一直生成到上下文用完（vLLM 的做法），但不超过池子一个请求最多能放的。"""
+    return max(1, min(s.context_len, s.pool_tokens) - len(ids))
+
+
+# ---------- 提交给异步引擎，返回流式或完整的响应 ----------
+async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
+    aengine, s = request.app.state.aengine, request.app.state.settings
+    try:
+        handle = await aengine.add(inputs.requests, arrival)
+    except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
+        raise P.APIError(400, str(e)) from None
+    except ServerBusy as e:
+        raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
+    except EngineUnavailable as e:
+        raise P.APIError(503, str(e), "server_error") from None
+    shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
+    n = req.n
+
+    def usage() -> dict:
+        cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
+        return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
+    try:
+        texts, reasons = await until_done_or_disconnect(request, collect(handle))
+    finally:
+        handle.abort()
+    if texts is None:                           # 客户端已经走了：这个响应没人收
+        return Response(status_code=499)
+    return JSONResponse(shape.full(texts, reasons, usage(), handle))
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])    # 要 API key 的端点
+plain = APIRouter()                                                      # 不要的：健康检查、指标、页面
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request):
+    arrival = time.perf_counter()
+    s = request.app.state.settings
+    req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+    check_model(s, req.model)
+    ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages)   # 模板与分词不占事件循环
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids))
+    return await submit(request, req, inputs, True, 1, arrival)
+
+
+@v1.post("/completions")
+async def completions(request: Request):
+    arrival = time.perf_counter()
+    s = request.app.state.settings
+    req = P.parse_request(P.CompletionRequest, await read_json(request))
+    check_model(s, req.model)
+    try:
+        prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size)
+    except UserError as e:
+        raise P.APIError(400, str(e), param="prompt") from None
+    max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids))
+    return await submit(request, req, inputs, False, len(prompts), arrival)
+
+
+@v1.get("/models")
+async def models(request: Request):
+    s = request.app.state.settings
+    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": request.app.state.started,
+                                        "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
+
+
+@plain.get("/health")
+async def health(request: Request):
+    """200 = 能服务。503：引擎死了（进程马上退出）、正在关闭、或引擎一步卡住超过 stall_s 秒——supervisor 据此重启。"""
+    problem = request.app.state.aengine.health_problem()
+    if problem is None:
+        return {"status": "ok"}
+    return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
+
+
+@plain.get("/metrics")
+async def metrics_endpoint(request: Request):
+    m = request.app.state.metrics
+    return Response(m.render(), media_type=m.content_type)
+
+
+@plain.get("/")
+async def index():
+    return FileResponse(STATIC / "index.html")
 
 
 async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage):
