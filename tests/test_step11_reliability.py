@@ -9,7 +9,6 @@
 - 投机解码的引擎（ngram、草稿模型）与默认的 step10 引擎在并发 + 采样下经过服务器，与引擎直接生成相同；
 - 浸泡：敌意请求与正常请求交错打同一个服务器，之后贪心探针的文本与之前相同，没有在跑 / 在等的请求，每个块都空闲。
 """
-import argparse
 import asyncio
 import json
 import subprocess

@@ -25,7 +25,8 @@ from common.tokenizer import Tokenizer
 from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step11_serving import protocol as P
-from step11_serving.api_server import ServerSettings, ServerThread, build_app
+from step11_serving.api_server import ServerSettings, build_app
+from step11_serving.server_thread import ServerThread
 from step11_serving.async_engine import AsyncLLMEngine
 from step11_serving.detokenizer import IncrementalDetokenizer
 from step11_serving.engines import add_engine_args, build_engine
