@@ -253,7 +253,13 @@ class LLMEngine:
             rows = logits[row:row + 1 + len(spec)]         # (1 + k, V)：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
             row += 1 + len(spec)
             # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
-            tokens = verify(rows, seq.token_ids, Proposal(spec, seq.spec_probs), seq.request.params, seq.generator)
+            try:
+                tokens = verify(rows, seq.token_ids, Proposal(spec, seq.spec_probs), seq.request.params, seq.generator)
+                if not all(0 <= t < rows.shape[-1] for t in tokens):   # 坏了的分布（NaN）采出越界的 id：喂回模型会让下一步的前向整批出错
+                    raise ValueError(f"sampling produced token ids outside the vocabulary: {tokens}")
+            except Exception as e:   # 只属于这个请求（它的采样）：只结束它，同一批别的请求照常；服务器据此只回它一个错误
+                outputs.append(RequestOutput(seq.request_id, [], True, "error", seq.num_cached_tokens, e))
+                continue
             self._count_spec(seq, len(spec), len(tokens) - 1)
             seq.trim_spec(0)
             seq.in_prefill = False
@@ -306,7 +312,9 @@ class LLMEngine:
             for r in requests:
                 seqs.append(self.seqs[self.add_request(r)])
             while self.has_unfinished_requests():
-                self.step()
+                for o in self.step():
+                    if o.error is not None:              # 一次性跑完的调用者：一个请求失败就是这次调用失败
+                        raise o.error
         finally:
             ids = {seq.request_id for seq in seqs}
             for i in ids:

@@ -16,9 +16,8 @@ import logging
 import secrets
 import socket
 import sys
-import threading
 import time
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -33,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.errors import UserError
 
 from . import protocol as P
-from .async_engine import AsyncLLMEngine, EngineUnavailable, RequestHandle, ServerBusy
+from .async_engine import STALL_S, AsyncLLMEngine, EngineUnavailable, RequestFailed, RequestHandle, ServerBusy
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("step11_serving")
@@ -71,153 +70,178 @@ class AbortOnExitStreamingResponse(StreamingResponse):
             self.handle.abort()
 
 
+# ---------- 应用：各个处理函数在模块里，从 request.app.state 取这个服务器的引擎、分词器与设置 ----------
+
 def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
-    metrics = aengine.metrics
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app):
-        await aengine.start()
-        yield
-        app.state.clean_shutdown = await aengine.shutdown()    # uvicorn 已停止接收、等过了进行中的响应
-        log.info("engine stopped; every KV block free: %s", app.state.clean_shutdown)
-
     app = FastAPI(title="llm-from-scratch step11", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.aengine, app.state.metrics, app.state.settings = aengine, metrics, s
-
-    # ---------- 错误：一律 OpenAI 形状的 JSON，不带 traceback ----------
-    def error(e: P.APIError) -> JSONResponse:
-        metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(P.APIError)
-    async def _api_error(request, e: P.APIError):
-        return error(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):     # 不存在的路径 404、方法不对 405
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return error(P.APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e):
-        return error(P.APIError(400, str(e.errors()[0].get("msg", e))))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request, e: Exception):
-        log.exception("internal error in %s %s", request.method, request.url.path)
-        return error(P.APIError(500, f"internal server error: {type(e).__name__}", "server_error"))
-
-    # ---------- 鉴权与请求体 ----------
-    async def require_api_key(request: Request) -> None:
-        if s.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if not secrets.compare_digest(auth.encode(), f"Bearer {s.api_key}".encode()):   # 比较时间与内容无关
-            raise P.APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", "authentication_error",
-                             headers={"WWW-Authenticate": "Bearer"})
-
-    async def read_json(request: Request) -> dict:
-        """请求体有上限：先看 Content-Length，再边读边数（分块上传没有 Content-Length）。"""
-        limit = s.max_body_bytes
-        too_big = P.APIError(413, f"request body is larger than {limit} bytes")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
-        return P.parse_json(bytes(body))
-
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name != s.model_name:
-            raise P.APIError(404, f"the model `{name}` does not exist (this server serves `{s.model_name}`)",
-                             "not_found_error", param="model")
-
-    # ---------- 提交给异步引擎，返回流式或完整的响应 ----------
-    async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
-        try:
-            handle = await aengine.add(inputs.requests, arrival)
-        except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
-            raise P.APIError(400, str(e)) from None
-        except ServerBusy as e:
-            raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
-        except EngineUnavailable as e:
-            raise P.APIError(503, str(e), "server_error") from None
-        shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
-        n = req.n
-
-        def usage() -> dict:
-            cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
-            return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
-        try:
-            texts, reasons = await until_done_or_disconnect(request, collect(handle))
-        finally:
-            handle.abort()
-        if texts is None:                           # 客户端已经走了：这个响应没人收
-            return Response(status_code=499)
-        return JSONResponse(shape.full(texts, reasons, usage(), handle))
-
-    router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request):
-        arrival = time.perf_counter()
-        req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
-        ids = P.encode_chat(tok, req.messages)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        inputs = P.engine_inputs(req, [ids], max_tokens, default_max_tokens)
-        return await submit(request, req, inputs, True, 1, arrival)
-
-    @router.post("/completions")
-    async def completions(request: Request):
-        arrival = time.perf_counter()
-        req = P.parse_request(P.CompletionRequest, await read_json(request))
-        check_model(req.model)
-        try:
-            prompts = P.encode_prompts(tok, req.prompt, s.vocab_size)
-        except UserError as e:
-            raise P.APIError(400, str(e), param="prompt") from None
-        max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
-        inputs = P.engine_inputs(req, prompts, max_tokens, default_max_tokens)
-        return await submit(request, req, inputs, False, len(prompts), arrival)
-
-    def default_max_tokens(ids: list[int]) -> int:
-        """chat 不给 max_tokens：一直生成到上下文用完（vLLM 的做法），但不超过池子一个请求最多能放的。"""
-        return max(1, min(s.context_len, s.pool_tokens) - len(ids))
-
-    @router.get("/models")
-    async def models():
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": started,
-                                            "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
-
-    app.include_router(router)
-
-    @app.get("/health")
-    async def health():
-        aengine.error = aengine.error or getattr(aengine.engine, "worker_failure", lambda: None)()   # step10：worker 没了
-        if aengine.healthy:
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "error": str(aengine.error) if aengine.error else "shutting down"},
-                            status_code=503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/")
-    async def index():
-        return FileResponse(STATIC / "index.html")
-
+    app.state.aengine, app.state.metrics, app.state.settings = aengine, aengine.metrics, s
+    app.state.tok, app.state.started = tok, int(time.time())
+    app.add_exception_handler(P.APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(v1)
+    app.include_router(plain)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    aengine = app.state.aengine
+    await aengine.start()
+    yield
+    app.state.clean_shutdown = await aengine.shutdown()    # uvicorn 已停止接收、等过了进行中的响应
+    log.info("engine stopped; every KV block free: %s", app.state.clean_shutdown)
+
+
+# ---------- 错误：一律 OpenAI 形状的 JSON，不带 traceback ----------
+def error_response(request: Request, e: P.APIError) -> JSONResponse:
+    request.app.state.metrics.rejected.labels(str(e.status)).inc()
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def api_error(request: Request, e: P.APIError):
+    return error_response(request, e)
+
+
+async def http_error(request: Request, e: StarletteHTTPException):     # 不存在的路径 404、方法不对 405
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+    return error_response(request, P.APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+
+
+async def validation_error(request: Request, e: RequestValidationError):
+    return error_response(request, P.APIError(400, str(e.errors()[0].get("msg", e))))
+
+
+async def internal_error(request: Request, e: Exception):
+    log.exception("internal error in %s %s", request.method, request.url.path)
+    return error_response(request, P.APIError(500, f"internal server error: {type(e).__name__}", "server_error"))
+
+
+# ---------- 鉴权与请求体 ----------
+async def require_api_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    if not secrets.compare_digest(auth.encode(), f"Bearer {key}".encode()):   # 比较时间与内容无关
+        raise P.APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", "authentication_error",
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+async def read_json(request: Request) -> dict:
+    """请求体有上限：先看 Content-Length，再边读边数（分块上传没有 Content-Length）。"""
+    limit = request.app.state.settings.max_body_bytes
+    too_big = P.APIError(413, f"request body is larger than {limit} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    return P.parse_json(bytes(body))
+
+
+def check_model(s: ServerSettings, name: Optional[str]) -> None:
+    if name is not None and name != s.model_name:
+        raise P.APIError(404, f"the model `{name}` does not exist (this server serves `{s.model_name}`)",
+                         "not_found_error", param="model")
+
+
+def default_max_tokens(s: ServerSettings, ids: list[int]) -> int:
+    """chat 不给 max_tokens：一直生成到上下文用完（vLLM 的做法），但不超过池子一个请求最多能放的。"""
+    return max(1, min(s.context_len, s.pool_tokens) - len(ids))
+
+
+# ---------- 提交给异步引擎，返回流式或完整的响应 ----------
+async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
+    aengine, s = request.app.state.aengine, request.app.state.settings
+    try:
+        handle = await aengine.add(inputs.requests, arrival)
+    except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
+        raise P.APIError(400, str(e)) from None
+    except ServerBusy as e:
+        raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
+    except EngineUnavailable as e:
+        raise P.APIError(503, str(e), "server_error") from None
+    shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
+    n = req.n
+
+    def usage() -> dict:
+        cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
+        return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
+    try:
+        texts, reasons = await until_done_or_disconnect(request, collect(handle))
+    finally:
+        handle.abort()
+    if texts is None:                           # 客户端已经走了：这个响应没人收
+        return Response(status_code=499)
+    return JSONResponse(shape.full(texts, reasons, usage(), handle))
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])    # 要 API key 的端点
+plain = APIRouter()                                                      # 不要的：健康检查、指标、页面
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request):
+    arrival = time.perf_counter()
+    s = request.app.state.settings
+    req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+    check_model(s, req.model)
+    ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages)   # 模板与分词不占事件循环
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids))
+    return await submit(request, req, inputs, True, 1, arrival)
+
+
+@v1.post("/completions")
+async def completions(request: Request):
+    arrival = time.perf_counter()
+    s = request.app.state.settings
+    req = P.parse_request(P.CompletionRequest, await read_json(request))
+    check_model(s, req.model)
+    try:
+        prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size)
+    except UserError as e:
+        raise P.APIError(400, str(e), param="prompt") from None
+    max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids))
+    return await submit(request, req, inputs, False, len(prompts), arrival)
+
+
+@v1.get("/models")
+async def models(request: Request):
+    s = request.app.state.settings
+    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": request.app.state.started,
+                                        "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
+
+
+@plain.get("/health")
+async def health(request: Request):
+    """200 = 能服务。503：引擎死了（进程马上退出）、正在关闭、或引擎一步卡住超过 stall_s 秒——supervisor 据此重启。"""
+    problem = request.app.state.aengine.health_problem()
+    if problem is None:
+        return {"status": "ok"}
+    return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
+
+
+@plain.get("/metrics")
+async def metrics_endpoint(request: Request):
+    m = request.app.state.metrics
+    return Response(m.render(), media_type=m.content_type)
+
+
+@plain.get("/")
+async def index():
+    return FileResponse(STATIC / "index.html")
 
 
 async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage):
@@ -234,9 +258,16 @@ async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usag
                 yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))
-    except EngineUnavailable as e:                  # 响应头已经发出，只能在流里报错（vLLM 也这样）
-        yield P.sse(P.APIError(503, str(e), "server_error").body())
+    except (EngineUnavailable, RequestFailed) as e:   # 响应头已经发出，只能在流里报错（vLLM 也这样）
+        yield P.sse(error_for(e).body())
     yield P.sse("[DONE]")
+
+
+def error_for(e: Exception) -> P.APIError:
+    """引擎死了 / 正在关闭 → 503；只是这个请求失败了 → 500（服务器照常服务别的请求）。"""
+    if isinstance(e, RequestFailed):
+        return P.APIError(500, f"this request failed: {e}", "server_error")
+    return P.APIError(503, str(e), "server_error")
 
 
 async def collect(handle: RequestHandle):
@@ -245,8 +276,8 @@ async def collect(handle: RequestHandle):
         async for d in handle.deltas():
             texts[d.index] += d.text
             reasons[d.index] = d.finish_reason or reasons[d.index]
-    except EngineUnavailable as e:
-        raise P.APIError(503, str(e), "server_error") from None
+    except (EngineUnavailable, RequestFailed) as e:
+        raise error_for(e) from None
     return texts, reasons
 
 
@@ -283,49 +314,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ServerThread:
-    """在后台线程里跑 uvicorn，监听 127.0.0.1 的一个空闲端口（测试、run.py 的章节模式、基准用）。
-    stop() 与 Ctrl-C 走同一条优雅关闭的路：停止接收 → 等进行中的响应（最多 shutdown_timeout 秒）→ 关引擎。"""
+class DrainingServer(uvicorn.Server):
+    """uvicorn 的优雅关闭（停止接收 → 等进行中的响应最多 timeout_graceful_shutdown 秒 → 取消剩下的任务）中间
+    加一步：宽限期到了先在引擎里取消还没完的请求，让它们的客户端收到 finish_reason "abort" 和 [DONE]
+    （最多再等 FLUSH_S 秒把这最后的 chunk 发出去），uvicorn 再取消仍没结束的。"""
+    FLUSH_S = 2.0
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0):
-        self.app = app
-        self.sock = bind(host, port)
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=shutdown_timeout))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="uvicorn")
+    def __init__(self, app: FastAPI, shutdown_timeout: float, **kw):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **kw))
+        self.aengine, self.grace = app.state.aengine, shutdown_timeout
 
-    def start(self, timeout: float = 60.0) -> "ServerThread":
-        self.thread.start()
-        t0 = time.perf_counter()
-        while not self.server.started:
-            if not self.thread.is_alive() or time.perf_counter() - t0 > timeout:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-@contextmanager
-def serve_in_thread(session, engine, block_size: int, max_waiting: int = 64, **settings):
-    """把一个引擎挂到本机一个空闲端口上（run.py、chapter.py 用）：yield 跑着的 ServerThread，退出时优雅关闭。"""
-    aengine = AsyncLLMEngine(engine, session.tok, max_waiting)
-    app = build_app(aengine, session.tok, settings_for(session, engine, block_size, **settings))
-    server = ServerThread(app).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    async def shutdown(self, sockets=None) -> None:
+        async def abort_after_grace():
+            await asyncio.sleep(self.grace)
+            self.aengine.abort_all()
+        drain = asyncio.create_task(abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -342,12 +349,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
+    p.add_argument("--stall-timeout", type=float, default=STALL_S,
+                   help="引擎的一步超过这么多秒还没完成，/health 就回 503（让 supervisor 重启卡住的进程）")
     from common.cli import add_compile_arg
     add_compile_arg(p, "decode 步用编译好的图（每个批大小桶一张，开始服务前先编译）；只用于一个进程（不和 --tp/--pp 一起）")
     return p
 
 
-def check_compile_args(args) -> None:
+def refuse_compile_with_parallel(args) -> None:
     """在加载模型、起 worker 之前检查：编译的是一个进程里的 decode。"""
     if args.compile is not None and getattr(args, "tp", 1) * getattr(args, "pp", 1) > 1:
         raise UserError("--compile compiles one process's decode: drop --tp/--pp")
@@ -364,7 +373,7 @@ def main(argv=None) -> None:
             parser = make_parser()
             add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
             args = parser.parse_args(argv)
-            check_compile_args(args)
+            refuse_compile_with_parallel(args)
             session = open_session(args.model, args.device, args.dtype)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
             compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
@@ -372,7 +381,7 @@ def main(argv=None) -> None:
         except UserError as e:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
             sys.exit(2)
-        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting)
+        aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting, stall_s=args.stall_timeout)
         settings = settings_for(session, engine, args.block_size, api_key=args.api_key,
                                 max_body_bytes=args.max_body_bytes)
         app = build_app(aengine, session.tok, settings)
@@ -382,7 +391,24 @@ def main(argv=None) -> None:
                         args.host)
         print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
               f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
-        uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+        code = serve(app, sock, args.shutdown_timeout)
+    if code:
+        sys.exit(code)
+
+
+def serve(app: FastAPI, sock: socket.socket, shutdown_timeout: float) -> int:
+    """在前台跑 uvicorn 直到 Ctrl-C（返回 0）或引擎死了（返回 1：每个在等的请求都已收到错误，
+    进程以非零码退出，由 supervisor 重启——与 vLLM 的 EngineDeadError 相同，不留一个只会回 503 的进程）。"""
+    server = DrainingServer(app, shutdown_timeout)
+    aengine = app.state.aengine
+
+    def engine_dead(error: BaseException) -> None:
+        log.critical("the engine is dead (%s: %s): exiting so that a supervisor restarts the server",
+                     type(error).__name__, error)
+        server.should_exit = True
+    aengine.on_dead = engine_dead
+    server.run(sockets=[sock])
+    return 1 if aengine.error is not None else 0
 
 if __name__ == "__main__":
     main()

@@ -15,15 +15,25 @@
   释放 GIL，所以这一步在算的时候，事件循环照常处理 HTTP。只有一个线程：一步接一步，从不并发。
   （vLLM V1 更进一步：引擎核心是另一个进程，用 ZMQ 收发请求和输出，连 Python 的调度开销都不跟 HTTP 抢 GIL。）
 - 一个 HTTP 请求的 n 个样本是 n 个引擎请求，共用这个 HTTP 请求的一个队列（Delta.index 区分）。
+- 停止字符串只在这里找一次（增量解码器看文本的尾巴）：引擎拿到的请求不带停止串，不必每个 token 把整段输出重新解码；
+  找到了就在下一步之前 abort 那个引擎请求（块立刻还回池子），结束原因报 "stop"。
+- 失败分两种（vLLM 的 EngineDeadError 是同一个区分）：
+  * 属于一个请求的（它的采样——引擎报 finish_reason "error"；它的停止串、增量解码）：只结束这个 HTTP 请求
+    （流式：一个 error 事件；非流式：500），它的块还回池子，其他请求照常生成；
+  * 引擎自己的（step() 抛出：前向、调度坏了）：引擎的状态已经不可信，每个还在等的请求都收到错误，然后 on_dead
+    通知服务器以非零码退出——由 supervisor（systemd、k8s、docker --restart）重启一个干净的进程，而不是留下一个
+    对每个请求都回 503 的僵尸。
 """
 import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from common.errors import UserError
 
 from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
@@ -38,6 +48,13 @@ class ServerBusy(Exception):
 
 class EngineUnavailable(Exception):
     """正在关闭，或引擎出错停了（→ 503）。"""
+
+
+class RequestFailed(Exception):
+    """只属于这一个请求的失败（它的采样、停止串、增量解码出错）：这个请求结束，别的请求不受影响（→ 500）。"""
+
+
+STALL_S = 120.0     # 引擎线程这么久没完成一步（有活的时候），/health 就报 503：卡死的进程也要让 supervisor 看见
 
 
 @dataclass
@@ -81,8 +98,11 @@ class RequestHandle:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine, tokenizer, max_waiting: int = 64):
+    def __init__(self, engine, tokenizer, max_waiting: int = 64, on_dead=None, stall_s: float = STALL_S):
+        """on_dead(error)：引擎死了、每个在等的请求都已收到错误之后调用一次（服务器用它以非零码退出）。"""
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.on_dead, self.stall_s = on_dead, stall_s
+        self._step_started: Optional[float] = None       # 引擎线程正在跑的这一步从什么时候开始（没在跑：None）
         self.metrics = ServerMetrics()           # /metrics 读它；状态快照与每个请求的计时都在这个循环里记
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._pending: list[RequestHandle] = []          # 等着在下一个间隙加进引擎
@@ -102,7 +122,23 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and not self._closing
+        return self.health_problem() is None
+
+    def health_problem(self) -> Optional[str]:
+        """/health 用：None = 健康；否则是原因。循环任务意外结束、或一步跑了超过 stall_s 秒都算不健康。"""
+        if self.error is not None:
+            return f"the engine failed: {type(self.error).__name__}: {self.error}"
+        if self._closing:
+            return "shutting down"
+        if self._task is not None and self._task.done():
+            return "the engine loop is not running"
+        worker_failure = getattr(self.engine, "worker_failure", None)    # step10：别的 rank 还在吗（不通信、不阻塞）
+        if worker_failure is not None and (why := worker_failure()) is not None:
+            return f"a parallel worker is gone: {why}"                    # 下一步会失败，进程随之以非零码退出
+        started = self._step_started
+        if started is not None and time.perf_counter() - started > self.stall_s:
+            return f"the engine has not completed a step for more than {self.stall_s:g} s"
+        return None
 
     def num_queued(self) -> int:
         return self.num_waiting + sum(len(h.requests) for h in self._pending)
@@ -114,6 +150,9 @@ class AsyncLLMEngine:
             raise EngineUnavailable(f"the engine stopped after an error: {self.error}")
         if self._closing:
             raise EngineUnavailable("the server is shutting down")
+        if len(requests) > self.max_waiting:       # 永远进不了队列：503 + Retry-After 会让客户端一直重试
+            raise UserError(f"this request needs {len(requests)} engine requests (n x prompts) but at most "
+                            f"{self.max_waiting} can wait (--max-waiting): it can never be admitted")
         if self.num_queued() + len(requests) > self.max_waiting:
             raise ServerBusy(f"{self.num_queued()} requests are already waiting (limit {self.max_waiting})")
         h = RequestHandle(self, requests, time.perf_counter() if arrival is None else arrival)
@@ -134,16 +173,22 @@ class AsyncLLMEngine:
         if self._aborts:
             self._wake.set()
 
-    async def shutdown(self) -> bool:
-        """优雅关闭的最后一步（uvicorn 已经停止接收、等过了正在进行的响应）：取消剩下的请求（还在听的客户端收到
-        finish_reason "abort"），跑完手上这一步，停下循环。返回 True 当且仅当引擎里每个块都还回来了。"""
+    def abort_all(self) -> None:
+        """优雅关闭的宽限期到了：不再接新请求，还在跑的全部取消——还在听的客户端收到 finish_reason "abort" 和
+        [DONE]，而不是一个被掐断的连接。"""
         self._closing = True
         for h in self._pending:
             if not h.added.done():
                 h.added.set_exception(EngineUnavailable("the server is shutting down"))
         self._pending = []
         self._aborts += list(self._live)
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def shutdown(self) -> bool:
+        """优雅关闭的最后一步（uvicorn 已经停止接收、等过了正在进行的响应）：取消剩下的请求，跑完手上这一步，
+        停下循环。返回 True 当且仅当引擎里每个块都还回来了。"""
+        self.abort_all()
         if self._task is not None:
             await self._task
         self._executor.shutdown(wait=True)
@@ -163,7 +208,11 @@ class AsyncLLMEngine:
                     self._wake.clear()                     # 没活：睡到下一个 add / abort
                     await self._wake.wait()
                     continue
-                outs = await loop.run_in_executor(self._executor, self._step)
+                self._step_started = time.perf_counter()
+                try:
+                    outs = await loop.run_in_executor(self._executor, self._step)
+                finally:
+                    self._step_started = None
                 self.num_steps += 1
                 self._dispatch(outs)
         except Exception as e:                             # 引擎（或这一层）坏了：让每个等着的客户端都知道，不让它们挂着
@@ -183,8 +232,8 @@ class AsyncLLMEngine:
             if h.cancelled or h.added.done():
                 continue
             try:
-                for r in h.requests:
-                    h.request_ids.append(self.engine.add_request(r))
+                for r in h.requests:                       # 停止串由这一层找（见文件开头），引擎不必每步重新解码
+                    h.request_ids.append(self.engine.add_request(replace(r, stop=())))
             except Exception as e:                         # 通常是 UserError：这个 HTTP 请求得到 400
                 for rid in h.request_ids:                  # n 个样本里前几个已经加进去了：一起撤回
                     self.engine.abort(rid)
@@ -209,17 +258,47 @@ class AsyncLLMEngine:
             if entry is None:                              # 已经取消了的（引擎在下一步报告它 abort）
                 continue
             h, i = entry
-            text = h.detoks[i].push(out.new_token_ids)
-            if out.new_token_ids:
-                h.token_ids[i] += out.new_token_ids
-                if h.first_token[i] is None:
-                    h.first_token[i] = now
-                    h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
-            if out.finished:
-                del self._live[out.request_id]
-                self._finish(h, i, out.finish_reason, now, text + h.detoks[i].finish(), out.new_token_ids)
-            else:
-                h.queue.put_nowait(Delta(i, text, out.new_token_ids))
+            try:                                           # 这里出的错只属于这个请求：只结束它
+                self._dispatch_one(h, i, out, now)
+            except Exception as e:
+                self._fail_request(h, e)
+
+    def _dispatch_one(self, h: RequestHandle, i: int, out, now: float) -> None:
+        if out.finish_reason == "error":                   # 引擎在这个请求的后处理（采样……）里出错，已经把它结束了
+            err = getattr(out, "error", None)
+            raise RequestFailed(f"{type(err).__name__}: {err}" if err is not None else "the engine failed this request")
+        det, text, kept = h.detoks[i], "", []
+        for t in out.new_token_ids:                        # 一个一个喂：投机解码一步出几个 token，停止串之后的不要
+            text += det.push([t])
+            kept.append(t)
+            if det.stopped:
+                break
+        if kept:
+            h.token_ids[i] += kept
+            if h.first_token[i] is None:
+                h.first_token[i] = now
+                h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
+        if det.stopped or out.finished:
+            del self._live[out.request_id]
+            if not out.finished:                           # 停止串是这里找到的：引擎还不知道，下一步之前取消它
+                self.engine.abort(out.request_id)
+            reason = "stop" if det.stopped else out.finish_reason
+            self._finish(h, i, reason, now, text + det.finish(), kept)
+        else:
+            h.queue.put_nowait(Delta(i, text, kept))
+
+    def _fail_request(self, h: RequestHandle, e: BaseException) -> None:
+        """一个请求的失败：它还没结束的样本全部从引擎里取消（块立刻还回去），处理函数收到 RequestFailed。"""
+        log.error("request failed; only this request gets an error", exc_info=e)
+        now = time.perf_counter()
+        for i, rid in enumerate(h.request_ids):
+            if self._live.pop(rid, None) is not None:
+                self.engine.abort(rid)
+            if h.finish_reasons[i] is None:
+                h.finish_reasons[i] = "error"
+                self.metrics.request_finished("error", len(h.requests[i].prompt_ids), h.cached_tokens[i],
+                                              len(h.token_ids[i]), h.arrival, h.first_token[i], now)
+        h.queue.put_nowait(e if isinstance(e, RequestFailed) else RequestFailed(f"{type(e).__name__}: {e}"))
 
     def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
         h.finish_reasons[i] = reason
@@ -248,3 +327,5 @@ class AsyncLLMEngine:
             if not h.added.done():
                 h.added.set_exception(err)
         self._pending = []
+        if self.on_dead is not None:                       # 每个在等的都知道了：让服务器退出，交给 supervisor 重启
+            self.on_dead(e)

@@ -23,7 +23,7 @@ from common.prompts import CHAPTER_PROMPTS
 from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step11_serving import bench_serving as load
-from step11_serving.api_server import serve_in_thread
+from step11_serving.server_thread import serve_in_thread
 from step11_serving.engines import build_engine
 
 STEP = "step11_serving"

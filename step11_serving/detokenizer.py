@@ -7,7 +7,9 @@
 3. 不把停止字符串发出去。OpenAI 的语义：返回的文本到停止字符串之前为止、不含它。停止字符串可能跨好几个 token
    陆续出现，所以文本末尾"可能是某个停止串开头"的那一段先留着，确定不是再发。
 
-引擎自己判断停止字符串（step02 起：生成的文本里出现就结束），这里只负责把文本截在它前面。
+服务器的停止字符串只在这里找（引擎拿到的请求不带停止串）：每来一个 token 只看文本的尾巴——还没发出的那段加上
+"最长的停止串减一"个已发出的字符——而不是把整段输出重新解码再从头找（那样每个 token 的代价随输出变长而增长，
+一个请求是 O(n²)）。停止串的个数与长度由 protocol.py 限制（MAX_STOP_STRINGS、MAX_STOP_CHARS）。
 """
 from typing import Sequence
 
@@ -18,6 +20,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.max_stop = max(map(len, self.stop), default=0)
         self.ids: list[int] = []
         self.prefix_offset = 0     # 窗口从这里开始：上一次发出的那几个 token
         self.read_offset = 0       # 已经变成文本的 token 到这里为止
@@ -49,7 +52,7 @@ class IncrementalDetokenizer:
             return ""
         end = len(self.text)
         if self.stop:
-            start = max(0, self.sent - max(map(len, self.stop)))   # 停止串不可能整个落在已发出的部分里
+            start = max(0, self.sent - self.max_stop)      # 停止串不可能整个落在已发出的部分里
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 end, self.stopped = min(hits), True
@@ -60,11 +63,16 @@ class IncrementalDetokenizer:
         return out
 
     def _held_back(self) -> int:
-        """文本末尾最长的一段、它是某个停止串的开头（但不是整个停止串）：这么多字符先不发。"""
-        best = 0
+        """文本末尾最长的一段、它是某个停止串的开头（但不是整个停止串）：这么多字符先不发。
+        候选长度 k 只有停止串里等于文本最后一个字符的那些位置（s[k-1] == text[-1]），从长到短试。"""
+        best, last = 0, self.text[-1:]
+        if not last:
+            return 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+            k = s.rfind(last, 0, len(s) - 1) + 1
+            while k > best:
                 if self.text.endswith(s[:k]):
                     best = k
                     break
+                k = s.rfind(last, 0, k - 1) + 1
         return best

@@ -25,7 +25,6 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
 }
 DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
-DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数（与各步 run.py 相同）
 # 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
 FLAG_NAMES = {"enable_prefix_caching": "--prefix-cache"}
 
@@ -37,7 +36,7 @@ def engine_module(name: str):
         mod = importlib.import_module(f"{ENGINES[name]}.engine")
     except ImportError as e:
         raise UserError(f"cannot import engine {name}: {e}") from None
-    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget")):
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget", "DEFAULT_KV_MIB")):
         raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
     return mod
 
@@ -65,6 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
             g.add_argument(flag, dest=f.name, type=float, default=default)
         else:
             g.add_argument(flag, dest=f.name, type=str, default=default)
+    if "spec_method" in {f.name for f, _, _ in _fields(engine_module(name).EngineConfig)}:
+        g.add_argument("--draft-model", default=None, metavar="DIR",
+                       help="--spec-method draft 的草稿模型（HF 目录，与目标同一个分词器）")
     if name in PARALLEL_ENGINES:
         g.add_argument("--tp", type=positive_int, default=1, help="张量并行的进程数（要整除头数；只用 CPU + gloo）")
         g.add_argument("--pp", type=positive_int, default=1, help="流水线并行的 stage 数")
@@ -90,19 +92,26 @@ def parallel_group(name: str, session, args):
 
 
 def build_engine(name: str, session, args, parallel=None):
-    """按命令行参数建那一步的引擎。num_blocks 没给时用那一步自己的 num_blocks_for_budget 按 DEFAULT_KV_MIB 换算
+    """按命令行参数建那一步的引擎。num_blocks 没给时用那一步自己的 num_blocks_for_budget 按那一步的 DEFAULT_KV_MIB 换算
     （step08 的量化池子每 token 字节更少，同样的预算放更多块；step10 的每个 rank 只有自己那份层与头，按它的配置算）。
     parallel：parallel_group 给的 ParallelContext（step10 的 --tp/--pp > 1）。"""
     from common.clock import WallClock
     mod = engine_module(name)
     kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
-        extra = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
+        kv = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
         kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
-                                                         DEFAULT_KV_MIB, **extra))
+                                                         mod.DEFAULT_KV_MIB, **kv))
+    extra = {"parallel": parallel} if parallel is not None else {}
+    draft = getattr(args, "draft_model", None)
+    if (kw.get("spec_method") == "draft") != bool(draft):
+        raise UserError("--spec-method draft needs --draft-model DIR" if draft is None else
+                        f"--draft-model is only used with --spec-method draft (got {kw.get('spec_method')})")
+    if draft:                                  # 与目标同一设备、同一 dtype
+        from common.cli import open_session
+        extra["draft_model"] = open_session(draft, session.device, session.dtype_name).model
     try:
         config = mod.EngineConfig(**kw)
-        extra = {"parallel": parallel} if parallel is not None else {}
         return mod.LLMEngine(session.model, config, tokenizer=session.tok, eos_ids=session.tok.eos_ids,
                              clock=WallClock(), **extra)
     except (TypeError, ValueError) as e:

@@ -23,6 +23,12 @@ from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 
 MAX_N = 16                      # 一个请求最多要几个样本（OpenAI 允许 128；CPU 上 16 已经是好几批）
+# 停止字符串的上限。OpenAI 允许 4 个；常见的客户端（对话模板的几个结束标记）偶尔多于 4 个，所以放宽到 16 个、
+# 每个至多 256 个字符。每个生成的 token 都要在文本尾巴上找一遍每个停止串：不设上限，一个请求带一万个停止串
+# 就能让引擎那一侧和事件循环每个 token 多做一万次查找。
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_JSON_DEPTH = 32             # 请求体的嵌套层数上限（合法的请求不超过 5 层）；更深的嵌套会让解析器递归到栈底
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # /v1/completions 不给 max_tokens 时的默认值（OpenAI 与 vLLM 都是 16）
 
 Number = Annotated[float, Field(strict=True)]   # 接受 JSON 的整数和小数，不接受字符串
@@ -41,7 +47,9 @@ class APIError(Exception):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")    # 不认识的字段忽略（vLLM 也是）；认识但不支持的字段见 _reject_unsupported
+    # 不认识的字段拒绝（400，指名字段）而不是悄悄忽略：客户端以为起了作用的参数（例如 presence_penalty），
+    # 其实什么也没做，是最难查的一种错。OpenAI 有、这里没实现的字段见 _reject_unsupported：只接受"等于没用"的值
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Model):
@@ -78,9 +86,16 @@ class _SamplingRequest(_Model):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
-    logprobs: object = None      # 不支持：给了非默认值就 400
-    best_of: object = None
-    echo: object = None
+    user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
+    # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
+    logprobs: object = None
+    presence_penalty: object = None
+    frequency_penalty: object = None
+    logit_bias: object = None
+    response_format: object = None
+    stop_token_ids: object = None          # vLLM 的扩展
+    min_tokens: object = None              # vLLM 的扩展
+    include_stop_str_in_output: object = None   # vLLM 的扩展
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -88,24 +103,54 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[StrictInt] = None   # 新版 OpenAI 的名字；优先于 max_tokens
     top_logprobs: object = None
     tools: object = None
+    tool_choice: object = None
+    parallel_tool_calls: object = None
+    functions: object = None
+    function_call: object = None
+    modalities: object = None
+    audio: object = None
+    prediction: object = None
+    reasoning_effort: object = None
+    store: object = None
+    metadata: object = None
+    service_tier: object = None
+    web_search_options: object = None
 
 
 class CompletionRequest(_SamplingRequest):
     # 一个字符串、一串 token id，或它们的列表（批量：choices 的 index = 第几个提示词 × n + 第几个样本）
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    best_of: object = None
+    echo: object = None
+    suffix: object = None
 
 
 def parse_json(raw: bytes) -> dict:
     """请求体 → dict。NaN / Infinity 不是合法 JSON（Python 的 json 默认却接受），这里拒绝。"""
     def no_constants(name):
         raise ValueError(f"{name} is not valid JSON")
+    too_deep = APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         obj = json.loads(raw, parse_constant=no_constants)
+    except RecursionError:                  # 几千层的 [[[[…]]]]：解析器递归到栈底
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object")
+    if json_depth(obj) > MAX_JSON_DEPTH:    # 解析得了、但后面的检查（pydantic、模板）还会再递归一遍
+        raise too_deep
     return obj
+
+
+def json_depth(obj) -> int:
+    """嵌套层数（不用递归：要量的正是可能深得让递归出错的东西）。"""
+    depth, level = 0, [obj]
+    while level:
+        depth += 1
+        level = [c for x in level if isinstance(x, (dict, list)) for c in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(c, (dict, list))]
+    return depth
 
 
 def parse_request(cls, obj: dict):
@@ -114,24 +159,53 @@ def parse_request(cls, obj: dict):
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field `{loc}`: this server does not support it", param=loc) from None
         raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
                        param=str(err["loc"][0]) if err["loc"] else None) from None
     _reject_unsupported(req)
     return req
 
 
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
-               "tools": (None, [])}     # 字段 → 允许的值（都等于"没用这个功能"）
+# OpenAI（与 vLLM）有、这里没实现的字段 → 接受的值：都等于"没用这个功能"（OpenAI 的默认值）。别的值 400 指名字段，
+# 而不是 200 却没有效果。best_of 另外还接受等于 n。
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""), "stop_token_ids": (None, []),
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
+}
 
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
     for name, allowed in UNSUPPORTED.items():
-        if getattr(req, name, None) not in allowed:
-            raise APIError(400, f"{name} is not supported by this server", param=name)
+        if name not in type(req).model_fields:
+            continue
+        value = getattr(req, name)
+        if name == "best_of" and value == req.n:
+            continue
+        if not any(_same(value, a) for a in allowed):
+            raise APIError(400, f"{name} is not supported by this server (only {' / '.join(map(_show, allowed))} "
+                                f"is accepted: it changes nothing), got {json.dumps(value)}", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be given together with stream=true", param="stream_options")
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def _same(value, allowed) -> bool:
+    """JSON 值相等：0 与 0.0 相同，但 false 不等于 0、null 只等于 null。"""
+    if allowed is None or isinstance(allowed, bool) or isinstance(value, bool):
+        return value is allowed
+    return value == allowed
+
+
+def _show(v) -> str:
+    return json.dumps(v)
 
 
 @dataclass
@@ -197,6 +271,10 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"a stop string can have at most {MAX_STOP_CHARS} characters", param="stop")
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
     params = sampling_params(req)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
-from step11_serving.api_server import serve_in_thread  # noqa: E402
+from step11_serving.server_thread import serve_in_thread  # noqa: E402
 from step11_serving.engines import DEFAULT_ENGINE, ENGINES, add_engine_args, serving_engine  # noqa: E402
 
 STEP = "step11_serving"

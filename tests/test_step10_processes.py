@@ -161,7 +161,7 @@ def test_server_health_reports_a_dead_worker(tiny_tok_dir):
     import httpx
 
     from common.cli import open_session
-    from step11_serving.api_server import serve_in_thread
+    from step11_serving.server_thread import serve_in_thread
     from step11_serving.engines import add_engine_args, serving_engine
     s = open_session(str(tiny_tok_dir), "cpu", "float32")
     p = argparse.ArgumentParser()

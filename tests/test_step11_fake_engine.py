@@ -26,6 +26,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     num_cached_tokens: int
+    error: Optional[Exception] = None     # finish_reason "error"：这个请求自己的后处理出错（引擎只结束它）
 
 
 @dataclass(eq=False)
@@ -101,7 +102,13 @@ class FakeEngine:
                 if need - seq.blocks > bm.num_free_blocks:
                     continue                      # 池子满了：这一步它不前进（真实引擎会抢占）
                 self._grow(seq, need)
-            token = self._next_token(seq)
+            try:
+                token = self._next_token(seq)
+            except Exception as e:                # 与真实引擎相同：只属于这个请求的失败只结束它
+                outs.append(RequestOutput(seq.id, [], True, "error", 0, e))
+                sched.running.remove(seq)
+                self._free(seq)
+                continue
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)
             outs.append(RequestOutput(seq.id, [token], reason is not None, reason, 0))
