@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 from conftest import ROOT, one_arch, run_py
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from common import cli
@@ -409,3 +411,138 @@ def test_compare_accepts_sampled_divergence_only_at_an_interval_edge(offset, acc
                 draw_margin(params))
     assert c.position == 2 and c.ok == accepted and "draw margin" in c.describe()
     assert c.margin == pytest.approx(abs(offset), abs=1e-6)
+
+
+# ---------------------------------------------------------------- 极端但合法的参数：结果有定义、有限，token 永远在词表里
+
+SAMPLING_EPS = 1e-5   # 与 sampler.SAMPLING_EPS 相同（测试里写死：常量被改了，这里会提醒文档与 vLLM 的对照也要改）
+
+# validate 接受的整个参数空间；sampled_from 里的是一定要覆盖到的边界与极端值（hypothesis 自己的 floats 也偏爱边界）
+TEMPERATURES = st.one_of(st.sampled_from([0.0, 5e-324, 1e-45, 1e-40, 1e-38, 1e-6, 9.99e-6, SAMPLING_EPS, 1e-4,
+                                          0.7, 1.0, 1e6, 1e300]),
+                         st.floats(min_value=0.0, max_value=1e6), st.floats(min_value=0.0, allow_infinity=False))
+TOP_PS = st.one_of(st.sampled_from([1e-30, 5e-324, 0.5, 1.0]), st.floats(min_value=0.0, max_value=1.0, exclude_min=True))
+MIN_PS = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(min_value=0.0, max_value=1.0))
+PENALTIES = st.one_of(st.sampled_from([5e-324, 1e-45, 1e-40, 1e-6, 1.0, 1.3, 1e6, 1e300]),
+                      st.floats(min_value=0.0, max_value=1e6, exclude_min=True),
+                      st.floats(min_value=0.0, exclude_min=True, allow_infinity=False))
+PARAMS = st.builds(SamplingParams, temperature=TEMPERATURES, top_k=st.one_of(st.just(0), st.integers(0, 40)),
+                   top_p=TOP_PS, min_p=MIN_PS, repetition_penalty=PENALTIES, seed=st.integers(0, 2**63 - 1))
+
+
+def extreme_logits(seed: int, scale: float, vocab: int) -> torch.Tensor:
+    """随机 logits (V,)：scale 0 时全部并列；取整让并列也常见。"""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, generator=g) * scale).round()
+
+
+@settings(max_examples=80, deadline=None)
+@given(params=PARAMS, seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.0, 1.0, 3.0, 30.0, 1e4]),
+       vocab=st.sampled_from([1, 2, 7, 300]))
+def test_any_accepted_params_give_a_valid_token(params, seed, scale, vocab):
+    """validate 接受的任何参数：sample 不抛错、token 在 [0, V)；process_logits 的分布有限、和为 1、抽到的 token 概率 > 0；
+    温度低于 SAMPLING_EPS（或 top_k 1）就是贪心：等于重复惩罚后的 argmax，不消耗随机数，分布是 argmax 上的 one-hot。"""
+    params.validate()
+    logits = extreme_logits(seed, scale, vocab)
+    history = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = make_generator(params.seed, "cpu")
+    before = g.get_state()
+    tok = sample(logits, history, params, g)
+    assert 0 <= tok < vocab
+    probs = process_logits(logits, history, params).softmax(-1)   # (V,)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    assert probs[tok] > 0
+    greedy = params.temperature < SAMPLING_EPS or params.top_k == 1
+    assert params.greedy == greedy
+    if greedy:
+        argmax = int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax())
+        assert tok == argmax and torch.equal(g.get_state(), before)
+        assert probs[argmax] == 1
+        assert draw_margin(params) is None
+    else:
+        margin = draw_margin(params)(logits, history, 0, tok)    # 重放第 0 次抽样：与 sample 用的是同一个 u
+        assert math.isfinite(margin) and margin >= 0
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 5e-324, 1e6, 1e300])
+def test_extreme_repetition_penalty_stays_finite(penalty):
+    """除以 1e-40 会溢出成 inf（几个 inf 进 softmax 得 NaN）：结果夹在有限范围里，正负号与大小顺序不变。"""
+    logits = torch.tensor([2.0, -2.0, 0.0, 4.0, -1.0, 3.0])
+    out = apply_repetition_penalty(logits, [0, 1, 2, 3], penalty)
+    assert torch.isfinite(out).all()
+    assert out[4] == -1.0 and out[5] == 3.0                         # 没出现过的不变
+    if penalty < 1:                                                  # 奖励：出现过的正 logit 变得极大，负的趋向 0
+        assert out[0] > 1e20 and out[3] >= out[0] and -1e-30 < out[1] <= 0 and out[2] == 0
+    else:                                                            # 惩罚：正的趋向 0，负的变得极小
+        assert 0 <= out[0] < 1e-5 and out[1] < -1e5 and out[2] == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 9.99e-6])
+def test_temperature_below_eps_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, top_p=0.9, seed=1)
+    assert params.greedy and draw_margin(params) is None
+    logits = random_logits(3)
+    assert sample(logits, [], params, make_generator(1, "cpu")) == int(logits.argmax())
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy      # 正好等于 SAMPLING_EPS 仍然抽样
+
+
+@pytest.mark.parametrize("p", [1e-30, 5e-324])   # 5e-324 在 float32 里是 0：mass_before < p 一个也不成立
+def test_top_p_tiny_keeps_the_top_token(p):
+    logits = random_logits(4)
+    kept = apply_top_p(logits, p) > NEG_INF
+    assert kept.tolist() == (torch.arange(len(logits)) == logits.argmax()).tolist()
+
+
+def test_huge_temperature_is_nearly_uniform():
+    logits = random_logits(5, vocab=50)
+    probs = process_logits(logits, [], SamplingParams(temperature=1e6)).softmax(-1)
+    torch.testing.assert_close(probs, torch.full_like(probs, 1 / 50), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("probs", [torch.full((4,), math.nan), torch.zeros(4), torch.tensor([0.5, math.inf, 0, 0]),
+                                   torch.tensor([0.5, math.nan, 0.5, 0])], ids=["nan", "zero", "inf", "one_nan"])
+def test_draw_rejects_a_non_finite_or_zero_total(probs):
+    """总和不是有限正数：是上游的 bug，报一个说清楚的错误，而不是返回 V（下一次前向才在 embedding 里 IndexError）。"""
+    with pytest.raises(ValueError, match="draw"):
+        draw(probs, make_generator(0, "cpu"))
+
+
+def test_draw_u_at_the_total_picks_the_last_positive_token(monkeypatch):
+    """u = r × 总和 在舍入下可能正好等于总和（r 最大是 1 - 2^-24）：searchsorted 会给出 V。
+    这时应当是最后一个概率 > 0 的 token（它的区间的右端就是总和）。用 r = 1 模拟这种舍入。"""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))
+    assert draw(torch.tensor([0.2, 0.8, 0.0, 0.0]), make_generator(0, "cpu")) == 1
+    assert draw(torch.tensor([0.2, 0.3, 0.0, 0.5]), make_generator(0, "cpu")) == 3
+
+
+EXTREME_ARGS = [
+    ["--temperature", "1e-40"], ["--repetition-penalty", "1e-40", "--temperature", "0.8"],
+    ["--repetition-penalty", "1e6", "--temperature", "0.8"], ["--top-p", "1e-30", "--temperature", "0.8"],
+    ["--temperature", "1e6"], ["--temperature", "5e-324", "--repetition-penalty", "1e-300"],
+]
+
+
+@pytest.mark.parametrize("extreme", EXTREME_ARGS, ids=" ".join)
+def test_run_py_extreme_values_give_valid_tokens(extreme, tiny_tok_dir):
+    """极端但合法的取值：run.py 照常结束（退出码 0），token 都在词表里；温度低于 SAMPLING_EPS 与 --temperature 0 相同。"""
+    base = ["--prompt", "hi there, how are you doing today?", "--max-new-tokens", "3", "--ignore-eos",
+            "--model", str(tiny_tok_dir), "--seed", "1"]   # 提示词长一些：重复惩罚才会碰到 logit 为正的 token
+    r = run_py("step02_sampling", *base, *extreme, "--json", threads=1)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])["results"][0]["output_ids"]
+    vocab = json.loads((tiny_tok_dir / "config.json").read_text())["vocab_size"]
+    assert len(out) == 3 and all(0 <= t < vocab for t in out)
+    if extreme == ["--temperature", "1e-40"]:
+        greedy = run_py("step02_sampling", *base, "--temperature", "0", "--json", threads=1)
+        assert out == json.loads(greedy.stdout.strip().splitlines()[-1])["results"][0]["output_ids"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(params=PARAMS)
+@one_arch
+def test_any_accepted_params_generate_valid_tokens_tiny(tiny, params):
+    """同样的性质走一遍真实的生成循环（随机小模型）：每个 token 都喂回下一次前向，越界的 id 会在 embedding 里出错。"""
+    out = generate(tiny.model, [0, 17, 42, 17], 4, params, ignore_eos=True)
+    assert len(out) == 4 and all(0 <= t < tiny.cfg.vocab_size for t in out)
+    if params.greedy and params.repetition_penalty == 1:
+        assert out == generate_step01(tiny.model, [0, 17, 42, 17], 4, ignore_eos=True)
