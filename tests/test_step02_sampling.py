@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, one_arch, run_py
+from conftest import ROOT, accepted_sampling_params, one_arch, run_py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TopPLogitsWarper
@@ -362,6 +362,9 @@ BAD_ARGS = [
     ["--temperature", "-1"], ["--temperature", "nan"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-1"],
     ["--min-p", "-0.1"], ["--min-p", "2"], ["--repetition-penalty", "0"], ["--temperature", "abc"],
     ["--stop", ""], ["--seed", "-3"],
+    # 合法范围的另一侧（极端但合法的取值在 test_prepare_and_errors 的 test_run_py_extreme_sampling_values）
+    ["--temperature", "inf"], ["--repetition-penalty", "inf"], ["--repetition-penalty", "nan"],
+    ["--repetition-penalty", "-1e-40"], ["--top-p", "nan"], ["--top-p", "-1e-30"], ["--min-p", "nan"],
 ]
 
 
@@ -417,18 +420,6 @@ def test_compare_accepts_sampled_divergence_only_at_an_interval_edge(offset, acc
 
 SAMPLING_EPS = 1e-5   # 与 sampler.SAMPLING_EPS 相同（测试里写死：常量被改了，这里会提醒文档与 vLLM 的对照也要改）
 
-# validate 接受的整个参数空间；sampled_from 里的是一定要覆盖到的边界与极端值（hypothesis 自己的 floats 也偏爱边界）
-TEMPERATURES = st.one_of(st.sampled_from([0.0, 5e-324, 1e-45, 1e-40, 1e-38, 1e-6, 9.99e-6, SAMPLING_EPS, 1e-4,
-                                          0.7, 1.0, 1e6, 1e300]),
-                         st.floats(min_value=0.0, max_value=1e6), st.floats(min_value=0.0, allow_infinity=False))
-TOP_PS = st.one_of(st.sampled_from([1e-30, 5e-324, 0.5, 1.0]), st.floats(min_value=0.0, max_value=1.0, exclude_min=True))
-MIN_PS = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(min_value=0.0, max_value=1.0))
-PENALTIES = st.one_of(st.sampled_from([5e-324, 1e-45, 1e-40, 1e-6, 1.0, 1.3, 1e6, 1e300]),
-                      st.floats(min_value=0.0, max_value=1e6, exclude_min=True),
-                      st.floats(min_value=0.0, exclude_min=True, allow_infinity=False))
-PARAMS = st.builds(SamplingParams, temperature=TEMPERATURES, top_k=st.one_of(st.just(0), st.integers(0, 40)),
-                   top_p=TOP_PS, min_p=MIN_PS, repetition_penalty=PENALTIES, seed=st.integers(0, 2**63 - 1))
-
 
 def extreme_logits(seed: int, scale: float, vocab: int) -> torch.Tensor:
     """随机 logits (V,)：scale 0 时全部并列；取整让并列也常见。"""
@@ -437,7 +428,7 @@ def extreme_logits(seed: int, scale: float, vocab: int) -> torch.Tensor:
 
 
 @settings(max_examples=80, deadline=None)
-@given(params=PARAMS, seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.0, 1.0, 3.0, 30.0, 1e4]),
+@given(params=accepted_sampling_params(), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.0, 1.0, 3.0, 30.0, 1e4]),
        vocab=st.sampled_from([1, 2, 7, 300]))
 def test_any_accepted_params_give_a_valid_token(params, seed, scale, vocab):
     """validate 接受的任何参数：sample 不抛错、token 在 [0, V)；process_logits 的分布有限、和为 1、抽到的 token 概率 > 0；
@@ -515,30 +506,8 @@ def test_draw_u_at_the_total_picks_the_last_positive_token(monkeypatch):
     assert draw(torch.tensor([0.2, 0.3, 0.0, 0.5]), make_generator(0, "cpu")) == 3
 
 
-EXTREME_ARGS = [
-    ["--temperature", "1e-40"], ["--repetition-penalty", "1e-40", "--temperature", "0.8"],
-    ["--repetition-penalty", "1e6", "--temperature", "0.8"], ["--top-p", "1e-30", "--temperature", "0.8"],
-    ["--temperature", "1e6"], ["--temperature", "5e-324", "--repetition-penalty", "1e-300"],
-]
-
-
-@pytest.mark.parametrize("extreme", EXTREME_ARGS, ids=" ".join)
-def test_run_py_extreme_values_give_valid_tokens(extreme, tiny_tok_dir):
-    """极端但合法的取值：run.py 照常结束（退出码 0），token 都在词表里；温度低于 SAMPLING_EPS 与 --temperature 0 相同。"""
-    base = ["--prompt", "hi there, how are you doing today?", "--max-new-tokens", "3", "--ignore-eos",
-            "--model", str(tiny_tok_dir), "--seed", "1"]   # 提示词长一些：重复惩罚才会碰到 logit 为正的 token
-    r = run_py("step02_sampling", *base, *extreme, "--json", threads=1)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])["results"][0]["output_ids"]
-    vocab = json.loads((tiny_tok_dir / "config.json").read_text())["vocab_size"]
-    assert len(out) == 3 and all(0 <= t < vocab for t in out)
-    if extreme == ["--temperature", "1e-40"]:
-        greedy = run_py("step02_sampling", *base, "--temperature", "0", "--json", threads=1)
-        assert out == json.loads(greedy.stdout.strip().splitlines()[-1])["results"][0]["output_ids"]
-
-
 @settings(max_examples=15, deadline=None)
-@given(params=PARAMS)
+@given(params=accepted_sampling_params())
 @one_arch
 def test_any_accepted_params_generate_valid_tokens_tiny(tiny, params):
     """同样的性质走一遍真实的生成循环（随机小模型）：每个 token 都喂回下一次前向，越界的 id 会在 embedding 里出错。"""
