@@ -457,7 +457,7 @@ def test_any_accepted_params_give_a_valid_token(params, seed, scale, vocab):
 
 @pytest.mark.parametrize("penalty", [1e-40, 5e-324, 1e6, 1e300])
 def test_extreme_repetition_penalty_stays_finite(penalty):
-    """除以 1e-40 会溢出成 inf（几个 inf 进 softmax 得 NaN）：结果夹在有限范围里，正负号与大小顺序不变。"""
+    """除以 1e-40 会溢出成 inf（几个 inf 进 softmax 得 NaN）：结果夹在有限范围里，正负号不变、大小顺序不反转（夹住的可以并列）。"""
     logits = torch.tensor([2.0, -2.0, 0.0, 4.0, -1.0, 3.0])
     out = apply_repetition_penalty(logits, [0, 1, 2, 3], penalty)
     assert torch.isfinite(out).all()
