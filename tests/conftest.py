@@ -136,6 +136,26 @@ def parser_of(run_module):
     return run_module.make_parser() if hasattr(run_module, "make_parser") else cli.make_parser(run_module.STEP)
 
 
+def accepted_sampling_params():
+    """hypothesis 策略：SamplingParams.validate 接受的整个参数空间。sampled_from 里是一定要覆盖到的边界与极端值
+    （温度从 0 经过次正规数到 1e300，top-p 小到 5e-324，重复惩罚从 5e-324 到 1e300）；hypothesis 自己的 floats
+    也偏爱边界。step02 的采样器与 step09/10 的验证、草稿共用它。"""
+    from hypothesis import strategies as st
+
+    from step02_sampling.sampler import SamplingParams
+    temperatures = st.one_of(st.sampled_from([0.0, 5e-324, 1e-45, 1e-40, 1e-38, 1e-6, 9.99e-6, 1e-5, 1e-4,
+                                              0.7, 1.0, 1e6, 1e300]),
+                             st.floats(min_value=0.0, max_value=1e6), st.floats(min_value=0.0, allow_infinity=False))
+    top_ps = st.one_of(st.sampled_from([1e-30, 5e-324, 0.5, 1.0]),
+                       st.floats(min_value=0.0, max_value=1.0, exclude_min=True))
+    min_ps = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(min_value=0.0, max_value=1.0))
+    penalties = st.one_of(st.sampled_from([5e-324, 1e-45, 1e-40, 1e-6, 1.0, 1.3, 1e6, 1e300]),
+                          st.floats(min_value=0.0, max_value=1e6, exclude_min=True),
+                          st.floats(min_value=0.0, exclude_min=True, allow_infinity=False))
+    return st.builds(SamplingParams, temperature=temperatures, top_k=st.one_of(st.just(0), st.integers(0, 40)),
+                     top_p=top_ps, min_p=min_ps, repetition_penalty=penalties, seed=st.integers(0, 2**63 - 1))
+
+
 def cli_error(run_module, argv: list[str], capsys) -> str:
     """在进程内运行某一步 run.py 的 main（与命令行同一条路：cli.run_main），断言它以一行 `error: ...`、
     退出码 2 结束，返回那一行。比启动一个进程快得多；"真的是一个进程时也没有 traceback"由

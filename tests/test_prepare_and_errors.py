@@ -1,4 +1,5 @@
-"""默认模型的准备是幂等的；"完整"检查抓得住每种残缺；每种坏输入都得到一行 `error:` 和退出码 2，而不是 traceback。
+"""默认模型的准备是幂等的；"完整"检查抓得住每种残缺；每种坏输入都得到一行 `error:` 和退出码 2，而不是 traceback；
+极端但合法的采样参数照常生成词表内的 token。
 
 目录检查用一个小模型目录（几 MB）而不是复制 538 MB 的默认模型；坏输入在进程内跑 run.py 的 main（cli.run_main，
 与命令行同一条路）。只有一个测试真的启动进程：确认 traceback 到不了用户的终端。
@@ -133,3 +134,36 @@ def test_no_traceback_reaches_the_terminal(model_copy):
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "missing" in r.stderr and r.stdout == ""
+
+
+# ---------- 极端但合法的采样参数：退出码 0，token 都在词表里 ----------
+
+EXTREME_ARGS = [
+    ["--temperature", "1e-40"], ["--repetition-penalty", "1e-40", "--temperature", "0.8"],
+    ["--repetition-penalty", "1e6", "--temperature", "0.8"], ["--top-p", "1e-30", "--temperature", "0.8"],
+    ["--temperature", "1e6"], ["--temperature", "5e-324", "--repetition-penalty", "1e-300"],
+]
+# step02（逐个生成）、step05（批处理的引擎）、step09（投机解码：草稿模型用同一个小模型，草稿与验证都走抽样）
+EXTREME_STEPS = {"step02_sampling": [], "step05_paged": ["--num-blocks", "4"],
+                 "step09_speculative": ["--num-blocks", "4", "--num-spec-tokens", "2", "--draft-model", "{model}"]}
+
+
+def generated_ids(step, model, extra) -> list[int]:
+    argv = ["--prompt", "hi there, how are you doing today?", "--max-new-tokens", "3", "--ignore-eos",
+            "--model", str(model), "--seed", "1"] + [a.format(model=model) for a in EXTREME_STEPS[step]] + extra
+    r = run_py(step, *argv, "--json", threads=1)   # 提示词长一些：重复惩罚才会碰到 logit 为正的 token
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])["results"][0]["output_ids"]
+
+
+@pytest.mark.parametrize("extreme", EXTREME_ARGS, ids=" ".join)
+@pytest.mark.parametrize("step", list(EXTREME_STEPS))
+def test_run_py_extreme_sampling_values(step, extreme, tiny_tok_dir):
+    """SamplingParams.validate 接受的极端值（温度 1e-40 / 1e6、重复惩罚 1e-40 / 1e6、top-p 1e-30）：run.py 照常结束，
+    token 都在词表里（以前温度 1e-40 得到 NaN 分布、抽出 id V，下一次前向在 embedding 里 IndexError）；
+    温度低于 SAMPLING_EPS 就是贪心：与 --temperature 0 相同。"""
+    out = generated_ids(step, tiny_tok_dir, extreme)
+    vocab = json.loads((tiny_tok_dir / "config.json").read_text())["vocab_size"]
+    assert len(out) == 3 and all(0 <= t < vocab for t in out)
+    if extreme == ["--temperature", "1e-40"]:
+        assert out == generated_ids(step, tiny_tok_dir, ["--temperature", "0"])

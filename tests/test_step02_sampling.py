@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, one_arch, run_py
+from conftest import ROOT, accepted_sampling_params, one_arch, run_py
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from common import cli
@@ -360,6 +362,9 @@ BAD_ARGS = [
     ["--temperature", "-1"], ["--temperature", "nan"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-1"],
     ["--min-p", "-0.1"], ["--min-p", "2"], ["--repetition-penalty", "0"], ["--temperature", "abc"],
     ["--stop", ""], ["--seed", "-3"],
+    # 合法范围的另一侧（极端但合法的取值在 test_prepare_and_errors 的 test_run_py_extreme_sampling_values）
+    ["--temperature", "inf"], ["--repetition-penalty", "inf"], ["--repetition-penalty", "nan"],
+    ["--repetition-penalty", "-1e-40"], ["--top-p", "nan"], ["--top-p", "-1e-30"], ["--min-p", "nan"],
 ]
 
 
@@ -409,3 +414,104 @@ def test_compare_accepts_sampled_divergence_only_at_an_interval_edge(offset, acc
                 draw_margin(params))
     assert c.position == 2 and c.ok == accepted and "draw margin" in c.describe()
     assert c.margin == pytest.approx(abs(offset), abs=1e-6)
+
+
+# ---------------------------------------------------------------- 极端但合法的参数：结果有定义、有限，token 永远在词表里
+
+SAMPLING_EPS = 1e-5   # 与 sampler.SAMPLING_EPS 相同（测试里写死：常量被改了，这里会提醒文档与 vLLM 的对照也要改）
+
+
+def extreme_logits(seed: int, scale: float, vocab: int) -> torch.Tensor:
+    """随机 logits (V,)：scale 0 时全部并列；取整让并列也常见。"""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, generator=g) * scale).round()
+
+
+@settings(max_examples=80, deadline=None)
+@given(params=accepted_sampling_params(), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.0, 1.0, 3.0, 30.0, 1e4]),
+       vocab=st.sampled_from([1, 2, 7, 300]))
+def test_any_accepted_params_give_a_valid_token(params, seed, scale, vocab):
+    """validate 接受的任何参数：sample 不抛错、token 在 [0, V)；process_logits 的分布有限、和为 1、抽到的 token 概率 > 0；
+    温度低于 SAMPLING_EPS（或 top_k 1）就是贪心：等于重复惩罚后的 argmax，不消耗随机数，分布是 argmax 上的 one-hot。"""
+    params.validate()
+    logits = extreme_logits(seed, scale, vocab)
+    history = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = make_generator(params.seed, "cpu")
+    before = g.get_state()
+    tok = sample(logits, history, params, g)
+    assert 0 <= tok < vocab
+    probs = process_logits(logits, history, params).softmax(-1)   # (V,)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    assert probs[tok] > 0
+    greedy = params.temperature < SAMPLING_EPS or params.top_k == 1
+    assert params.greedy == greedy
+    if greedy:
+        argmax = int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax())
+        assert tok == argmax and torch.equal(g.get_state(), before)
+        assert probs[argmax] == 1
+        assert draw_margin(params) is None
+    else:
+        margin = draw_margin(params)(logits, history, 0, tok)    # 重放第 0 次抽样：与 sample 用的是同一个 u
+        assert math.isfinite(margin) and margin >= 0
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 5e-324, 1e6, 1e300])
+def test_extreme_repetition_penalty_stays_finite(penalty):
+    """除以 1e-40 会溢出成 inf（几个 inf 进 softmax 得 NaN）：结果夹在有限范围里，正负号不变、大小顺序不反转（夹住的可以并列）。"""
+    logits = torch.tensor([2.0, -2.0, 0.0, 4.0, -1.0, 3.0])
+    out = apply_repetition_penalty(logits, [0, 1, 2, 3], penalty)
+    assert torch.isfinite(out).all()
+    assert out[4] == -1.0 and out[5] == 3.0                         # 没出现过的不变
+    if penalty < 1:                                                  # 奖励：出现过的正 logit 变得极大，负的趋向 0
+        assert out[0] > 1e20 and out[3] >= out[0] and -1e-30 < out[1] <= 0 and out[2] == 0
+    else:                                                            # 惩罚：正的趋向 0，负的变得极小
+        assert 0 <= out[0] < 1e-5 and out[1] < -1e5 and out[2] == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 9.99e-6])
+def test_temperature_below_eps_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, top_p=0.9, seed=1)
+    assert params.greedy and draw_margin(params) is None
+    logits = random_logits(3)
+    assert sample(logits, [], params, make_generator(1, "cpu")) == int(logits.argmax())
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy      # 正好等于 SAMPLING_EPS 仍然抽样
+
+
+@pytest.mark.parametrize("p", [1e-30, 5e-324])   # 5e-324 在 float32 里是 0：mass_before < p 一个也不成立
+def test_top_p_tiny_keeps_the_top_token(p):
+    logits = random_logits(4)
+    kept = apply_top_p(logits, p) > NEG_INF
+    assert kept.tolist() == (torch.arange(len(logits)) == logits.argmax()).tolist()
+
+
+def test_huge_temperature_is_nearly_uniform():
+    logits = random_logits(5, vocab=50)
+    probs = process_logits(logits, [], SamplingParams(temperature=1e6)).softmax(-1)
+    torch.testing.assert_close(probs, torch.full_like(probs, 1 / 50), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("probs", [torch.full((4,), math.nan), torch.zeros(4), torch.tensor([0.5, math.inf, 0, 0]),
+                                   torch.tensor([0.5, math.nan, 0.5, 0])], ids=["nan", "zero", "inf", "one_nan"])
+def test_draw_rejects_a_non_finite_or_zero_total(probs):
+    """总和不是有限正数：是上游的 bug，报一个说清楚的错误，而不是返回 V（下一次前向才在 embedding 里 IndexError）。"""
+    with pytest.raises(ValueError, match="draw"):
+        draw(probs, make_generator(0, "cpu"))
+
+
+def test_draw_u_at_the_total_picks_the_last_positive_token(monkeypatch):
+    """u = r × 总和 在舍入下可能正好等于总和（r 最大是 1 - 2^-24）：searchsorted 会给出 V。
+    这时应当是最后一个概率 > 0 的 token（它的区间的右端就是总和）。用 r = 1 模拟这种舍入。"""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))
+    assert draw(torch.tensor([0.2, 0.8, 0.0, 0.0]), make_generator(0, "cpu")) == 1
+    assert draw(torch.tensor([0.2, 0.3, 0.0, 0.5]), make_generator(0, "cpu")) == 3
+
+
+@settings(max_examples=15, deadline=None)
+@given(params=accepted_sampling_params())
+@one_arch
+def test_any_accepted_params_generate_valid_tokens_tiny(tiny, params):
+    """同样的性质走一遍真实的生成循环（随机小模型）：每个 token 都喂回下一次前向，越界的 id 会在 embedding 里出错。"""
+    out = generate(tiny.model, [0, 17, 42, 17], 4, params, ignore_eos=True)
+    assert len(out) == 4 and all(0 <= t < tiny.cfg.vocab_size for t in out)
+    if params.greedy and params.repetition_penalty == 1:
+        assert out == generate_step01(tiny.model, [0, 17, 42, 17], 4, ignore_eos=True)

@@ -5,18 +5,27 @@
    输出与 step02 逐个贪心 decode 逐 token 相同（并列取 id 最小的也相同）。
 3. 抽样验证在分布上精确：带种子抽几千次，"猜测 + 验证"输出的前三个 token 的联合分布与直接抽样的理论分布
    （用 HF transformers 自己的 logits 处理器算）的总变差 TV 低于 step02 的界（正确的采样器超过它的概率 < 1e-6）；
-   把规则故意改坏（总是接受）后，同一个检查失败。
+   把规则故意改坏（总是接受）后，同一个检查失败。k = 3 时比较前四个 token（包括奖励 token）。
+4. 极端但合法的参数（温度 1e-40、重复惩罚 1e-40 / 1e6、top-p 1e-30……）：step09 与 step10 的验证和草稿
+   都只给出词表内的 token，贪心阈值以下与逐个贪心 decode 相同（hypothesis 性质测试）。
 """
+import functools
 import itertools
 
 import pytest
 import torch
+from conftest import accepted_sampling_params
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from step02_sampling.distribution import hf_filtered_probs, tv_bound, tv_distance
 from step02_sampling.sampler import SamplingParams, sample
+from step09_speculative import proposer as proposer09
 from step09_speculative import rejection_sampler
 from step09_speculative.proposer import FakeProposer, NgramProposer, Proposal, draft_token
 from step09_speculative.rejection_sampler import verify
+from step10_tensor_parallel import proposer as proposer10
+from step10_tensor_parallel import rejection_sampler as rejection_sampler10
 
 V = 4                    # 词表大小：三个 token 的联合分布只有 64 格，几千次抽样就估得准
 K = 2                    # 每轮猜 2 个：前三个输出里既有被接受 / 被拒绝的猜测，也有奖励 token
@@ -150,18 +159,18 @@ def test_draft_token_matches_step02_and_hf():
 
 # ---------------------------------------------------------------- 3. 分布上精确
 
-def ngram_proposals(tokens, params, g):
-    return Proposal(NgramProposer(1, 2, K).lookup(tokens))          # one-hot q
+def ngram_proposals(tokens, params, g, k=K):
+    return Proposal(NgramProposer(1, 2, k).lookup(tokens))          # one-hot q
 
 
 def fixed_proposals(tokens, params, g):
     return Proposal([3, 0])                                          # 与上下文无关的猜测（可能被过滤掉）
 
 
-def draft_proposals(tokens, params, g):
-    """草稿马尔可夫链连走 K 步，每步用 draft_token 抽（与目标同一个发生器），记下 q。"""
+def draft_proposals(tokens, params, g, k=K):
+    """草稿马尔可夫链连走 k 步，每步用 draft_token 抽（与目标同一个发生器），记下 q。"""
     ids, qs = [], []
-    for _ in range(K):
+    for _ in range(k):
         token, q = draft_token(DRAFT[(tokens + ids)[-1]], tokens + ids, params, g)
         ids.append(token)
         qs.append(q)
@@ -193,15 +202,15 @@ def plain_joint(params: SamplingParams, m: int) -> torch.Tensor:
     return torch.tensor(probs, dtype=torch.float64)
 
 
-def tv_to_plain(propose, params, m: int = M, seed: int = 0) -> tuple[float, float]:
-    """(经验分布与理论分布的 TV, 界)：抽 DRAWS 次，固定种子。"""
+def tv_to_plain(propose, params, m: int = M, seed: int = 0, draws: int = DRAWS) -> tuple[float, float]:
+    """(经验分布与理论分布的 TV, 界)：抽 draws 次，固定种子。"""
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V ** m, dtype=torch.float64)
-    for _ in range(DRAWS):
+    for _ in range(draws):
         seq = speculative_tokens(propose, params, g, m)
         counts[sum(t * V ** (m - 1 - j) for j, t in enumerate(seq))] += 1
     theory = plain_joint(params, m)
-    return tv_distance(counts / DRAWS, theory), tv_bound(theory, DRAWS)
+    return tv_distance(counts / draws, theory), tv_bound(theory, draws)
 
 
 PARAMS = {
@@ -232,3 +241,63 @@ def test_broken_rule_fails_the_same_check(bug, proposer, monkeypatch):
     monkeypatch.setattr(rejection_sampler, *BROKEN[bug])
     tv, bound = tv_to_plain(PROPOSERS[proposer], PARAMS["penalty+top_p"])
     assert tv > bound, f"{bug}/{proposer}: TV {tv:.4f} <= bound {bound:.4f}: the check cannot see a broken rule"
+
+
+# k = 3：一轮最多输出 4 个 token（3 个猜测 + 奖励），比较前 4 个的联合分布（256 格），奖励 token 也在里面。
+# 格子多、抽样少（省时间），界比 k = 2 的松（约 0.13）；正确的规则 TV 约 0.05，故意改坏的规则仍超过界
+# （本机：总是接受 ngram 1.0 / draft 0.31；被拒后从 p 抽 ngram 0.21 / draft 0.18——这条与 k 无关，只在 k = 2 测）。
+K3, M3, DRAWS3 = 3, 4, 1500
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_sampling_is_exact_in_distribution_k3(proposer):
+    propose = functools.partial(PROPOSERS[proposer], k=K3)
+    tv, bound = tv_to_plain(propose, PARAMS["penalty+top_p"], m=M3, draws=DRAWS3)
+    assert tv < bound, f"{proposer}/k=3: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def test_broken_rule_fails_the_same_check_k3(monkeypatch):
+    bug = "accept always"
+    monkeypatch.setattr(rejection_sampler, *BROKEN[bug])
+    propose = functools.partial(draft_proposals, k=K3)
+    tv, bound = tv_to_plain(propose, PARAMS["penalty+top_p"], m=M3, draws=DRAWS3)
+    assert tv > bound, f"{bug}/k=3: TV {tv:.4f} <= bound {bound:.4f}: the check cannot see a broken rule"
+
+
+# ---------------------------------------------------------------- 4. 极端但合法的参数（step09 与 step10 的副本）
+
+COPIES = {"step09": (rejection_sampler, proposer09), "step10": (rejection_sampler10, proposer10)}
+
+
+@pytest.mark.parametrize("step", list(COPIES))
+@settings(max_examples=60, deadline=None)
+@given(params=accepted_sampling_params(), seed=st.integers(0, 2**32 - 1), k=st.integers(0, 3),
+       vocab=st.sampled_from([1, 2, 7]), scale=st.sampled_from([0.0, 1.0, 30.0, 1e4]), use_draft=st.booleans())
+def test_verify_any_accepted_params_gives_valid_tokens(step, params, seed, k, vocab, scale, use_draft):
+    """validate 接受的任何参数：草稿（draft_token）与验证（verify）都不抛错、token 都在 [0, V)；
+    输出是接受的猜测前缀 + 一个目标给的 token；贪心（温度 < 1e-5 或 top_k 1）时不消耗随机数，
+    输出与逐个贪心 decode 相同。草稿是 one-hot（n-gram 式的随机猜测）或草稿分布 q（draft_token 抽的）。"""
+    rs, prop = COPIES[step]
+    gen = torch.Generator().manual_seed(seed)
+    target = (torch.randn(k + 1, vocab, generator=gen) * scale).round()        # (k+1, V)
+    history = torch.randint(0, vocab, (5,), generator=gen).tolist()
+    g = torch.Generator().manual_seed(seed + 1)
+    before = g.get_state()
+    if use_draft:
+        ids, qs = [], []
+        for row in (torch.randn(k, vocab, generator=gen) * scale).round():
+            token, q = prop.draft_token(row, history + ids, params, g)
+            assert 0 <= token < vocab and (q is None) == params.greedy
+            if q is not None:
+                assert torch.isfinite(q).all() and abs(float(q.sum()) - 1) < 1e-5 and q[token] > 0
+            ids.append(token)
+            qs.append(q)
+        proposal = rs.Proposal(ids, torch.stack(qs) if ids and qs[0] is not None else None)
+    else:
+        proposal = rs.Proposal(torch.randint(0, vocab, (k,), generator=gen).tolist())
+    out = rs.verify(target, history, proposal, params, g)
+    assert 1 <= len(out) <= k + 1 and all(0 <= t < vocab for t in out)
+    assert out[:-1] == proposal.token_ids[:len(out) - 1]                        # 接受的是猜测的前缀
+    if params.greedy:
+        assert torch.equal(g.get_state(), before)
+        assert out == [sample(target[i], history + out[:i], params, None) for i in range(len(out))]
