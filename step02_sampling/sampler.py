@@ -3,18 +3,10 @@
 处理顺序与 HF transformers 的 generate 相同（第 02 章解释为什么是这个顺序）：
 
     logits ─ 重复惩罚 ─ 温度 ─ top-k ─ top-p ─ min-p ─ softmax ─ 抽样 (draw)
-                      └─ 贪心（temperature < SAMPLING_EPS 或 top_k == 1）：直接 argmax，不消耗随机数
+                      └─ 贪心（temperature == 0 或 top_k == 1）：直接 argmax，不消耗随机数
 
 每个过滤器都只是把"不允许"的 token 的 logit 设成 -inf：softmax 之后它们的概率正好是 0，
 剩下的 token 自动重新归一化。所有函数都不修改传入的张量。
-
-极端但合法的参数（validate 接受的都算）也必须得到一个有定义的 token，绝不能抽出词表外的 id：
-  · 温度 < SAMPLING_EPS (1e-5) 按贪心处理（vLLM 的 _SAMPLING_EPS 同样如此）：z / 1e-40 会溢出成 inf，
-    几个 inf 进 softmax 得 NaN；而温度趋于 0 的极限本来就是 argmax。
-  · 重复惩罚的结果夹在 ±LOGIT_LIMIT 之内：z / 1e-40 同样会溢出；夹住之后再除以不小于 SAMPLING_EPS 的温度也仍然有限。
-  · 很大的温度（1e6）把分布压平，接近均匀分布，本来就有定义；top-p 1e-30 只留概率最大的一个 token。
-  · 每个过滤器都至少留下概率最大的那个 token，所以 softmax 的分母 ≥ 1，不会是 0 / 0。
-  · draw() 的总和不是有限正数时报错（那是上游的 bug），而不是返回 V。
 """
 import math
 from dataclasses import dataclass
@@ -24,17 +16,11 @@ import torch
 from common.errors import UserError
 
 TOP_P_FIRST_K = 256   # top-p 先看概率最高的这么多个 token（不够再放大），见 apply_top_p
-# 温度低于它就当作贪心：与 vLLM 的 _SAMPLING_EPS 相同。这么小的温度下 softmax(z / T) 已经是 argmax 上的 one-hot
-# （logit 差 0.01 就是 e^-1000），再小只会让 z / T 溢出；等于 1e-5 本身仍然抽样
-SAMPLING_EPS = 1e-5
-# 重复惩罚后 logit 的绝对值上限：比真实模型的 logit（几十以内）大得多，又小到除以最小的非贪心温度 SAMPLING_EPS
-# 也还是有限的 float32（1e30 / 1e-5 = 1e35 < 3.4e38）
-LOGIT_LIMIT = 1e30
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0          # 0（或 < SAMPLING_EPS）= 贪心；<1 让分布更尖，>1 更平
+    temperature: float = 0.0          # 0 = 贪心；<1 让分布更尖，>1 更平
     top_k: int = 0                    # 0 = 不限制；只在概率最高的 k 个 token 里抽
     top_p: float = 1.0                # 1 = 不限制；只保留累计概率刚好达到 p 的最小集合（nucleus）
     min_p: float = 0.0                # 0 = 不限制；去掉概率 < min_p × 最大概率 的 token
@@ -42,16 +28,7 @@ class SamplingParams:
     seed: int | None = None           # None = 每次随机；给定种子 → 同一设备上输出可复现
 
     def validate(self) -> None:
-        """非法值抛 UserError（run.py 把它变成一行 `error: ...`、退出码 2；服务端回 400）。
-
-        接受的参数空间（其中每一点都得到一个有定义的、词表内的 token）：
-            temperature         有限且 >= 0；< SAMPLING_EPS (1e-5) 按贪心处理（包括 1e-40 这样的次正规数）
-            top_k               整数 >= 0；0 = 不限制，1 = 贪心
-            top_p               (0, 1]；再小（1e-30）也至少留下概率最大的 token
-            min_p               [0, 1]；1 = 只留概率最大的（并列的都留）
-            repetition_penalty  有限且 > 0；1e-40 或 1e6 这样的极端值结果夹在 ±LOGIT_LIMIT 之内
-            seed                None 或 [0, 2^63) 里的整数
-        """
+        """非法值抛 UserError（run.py 把它变成一行 `error: ...`、退出码 2）。"""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -67,9 +44,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """温度 < SAMPLING_EPS（含 0）或 top_k 1 时只剩一个候选：结果与贪心（argmax）相同，不需要随机数。
-        每一步、每个地方（sample、process_logits、draw_margin、投机解码的验证与草稿）都用这一个判断。"""
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
+        """temperature 0 或 top_k 1 时只剩一个候选：结果与贪心（argmax）相同，不需要随机数。"""
+        return self.temperature == 0 or self.top_k == 1
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
@@ -85,26 +61,18 @@ def make_generator(seed: int | None, device) -> torch.Generator:
 
 def apply_repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
     """HF / CTRL 的定义：history 里出现过的每个 token（出现多次也只罚一次），logit 为正就除以 penalty，
-    为负就乘以 penalty —— penalty > 1 时两种情况都让它变小。没出现过的 token 不变。
-
-    极端的 penalty 也要得到有限的结果（普通的取值下两步都不起作用，结果与 HF 逐位相同）：
-    penalty 先夹到 float32 的正规数范围——更小的（1e-45）在 float32 里变成 0，z / 0 = inf；更大的变成 inf，
-    -z × inf = -inf；结果再夹到 ±LOGIT_LIMIT——z / 1e-40 会溢出成 inf，几个 inf 进 softmax 就是 NaN。"""
+    为负就乘以 penalty —— penalty > 1 时两种情况都让它变小。没出现过的 token 不变。"""
     if penalty == 1.0 or not history:
         return logits
-    finfo = torch.finfo(logits.dtype)
-    penalty = min(max(penalty, finfo.tiny), finfo.max)
     idx = torch.tensor(sorted(set(history)), device=logits.device)   # (n,)：去重后的 token id
     seen = logits[idx]                                                 # (n,)
     out = logits.clone()
-    out[idx] = torch.where(seen < 0, seen * penalty, seen / penalty).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+    out[idx] = torch.where(seen < 0, seen * penalty, seen / penalty)
     return out
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(z / T)：T < 1 拉大差距（更确定），T > 1 缩小差距（更随机）。T → 0 的极限是 argmax，
-    T < SAMPLING_EPS 由 greedy 处理，所以这里 T >= 1e-5、|z| <= LOGIT_LIMIT，z / T 不会溢出。
-    T 很大（1e6，甚至超出 float32 的 inf）时 z / T 趋于 0：接近均匀分布，仍然有定义。"""
+    """softmax(z / T)：T < 1 拉大差距（更确定），T > 1 缩小差距（更随机）。T = 0 的极限是 argmax，由 greedy 处理。"""
     return logits / temperature
 
 
@@ -136,7 +104,6 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         k = min(4 * k, vocab)
     keep = torch.zeros_like(probs, dtype=torch.bool)           # (V,)
     keep[top_ids[mass_before < p]] = True                      # 前面的和还不到 p：保留（排序位置 → token id）
-    keep[top_ids[0]] = True    # 最大的永远保留（同 HF 的 min_tokens_to_keep=1）：p < 1e-45 在 float32 里是 0，上一行一个也不留
     return logits.masked_fill(~keep, -math.inf)
 
 
@@ -149,14 +116,8 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
-    """整条处理链（顺序同 HF）：返回处理后的 logits (V,)，被过滤掉的是 -inf。
-    每个过滤器都留下最大的那个 logit，所以结果里至少有一个有限值，softmax 不会得到 NaN。
-    贪心时（温度 → 0 的极限）只留重复惩罚后的 argmax（并列取 id 最小的，与 sample() 相同）：分布是 one-hot。"""
+    """非贪心时的整条处理链（顺序同 HF）：返回处理后的 logits (V,)，被过滤掉的是 -inf。"""
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
-    if params.greedy:
-        keep = torch.zeros_like(logits, dtype=torch.bool)   # (V,)
-        keep[logits.argmax()] = True
-        return logits.masked_fill(~keep, -math.inf)
     logits = apply_temperature(logits, params.temperature)
     logits = apply_top_k(logits, params.top_k)
     logits = apply_top_p(logits, params.top_p)
@@ -166,20 +127,10 @@ def process_logits(logits: torch.Tensor, history: list[int], params: SamplingPar
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """逆变换抽样：取 u ~ U[0, 总和)，返回累计概率第一次超过 u 的 token。
     token i 被选中当且仅当 u 落在 [cdf[i-1], cdf[i]) 里，这段长度正好是 probs[i]；概率为 0 的 token 长度为 0，
-    永远不会被选中。（torch.multinomial 做的是同一件事。）
-
-    两个边界：总和不是有限正数（NaN、inf、全 0）说明上游算错了——报错，而不是返回一个词表外的 id（V）；
-    u = r × 总和 在舍入下可能正好等于总和，searchsorted 会给出 V：这时取最后一个概率 > 0 的 token
-    （它的区间右端就是总和）。"""
+    永远不会被选中。（torch.multinomial 做的是同一件事。）"""
     cdf = probs.cumsum(-1)                                                   # (V,)
-    total = float(cdf[-1])
-    if not (math.isfinite(total) and total > 0):
-        raise ValueError(f"draw: probabilities sum to {total}, expected a finite positive number")
     u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]   # 乘总和：吸收 float32 累加的舍入误差
-    token = int(torch.searchsorted(cdf, u, right=True))
-    if token == len(cdf):
-        token = int(torch.nonzero(probs)[-1])                                # 最后一个概率 > 0 的 token
-    return token
+    return int(torch.searchsorted(cdf, u, right=True))
 
 
 def sample(logits: torch.Tensor, history: list[int], params: SamplingParams, generator: torch.Generator) -> int:
@@ -216,11 +167,11 @@ def draw_margin(params: SamplingParams):
 def add_sampling_args(parser) -> None:
     """step02 起每个 run.py 都有的采样参数；默认值 = 贪心。取值检查在 params_from_args 里（给出 `error:`）。"""
     g = parser.add_argument_group("采样（默认贪心）")
-    g.add_argument("--temperature", type=float, default=0.0, help=">= 0；0（或 < 1e-5）= 贪心（默认）")
-    g.add_argument("--top-k", type=int, default=0, help=">= 0；0 = 不限制，1 = 贪心")
-    g.add_argument("--top-p", type=float, default=1.0, help="(0, 1]，1 = 不限制；再小也留下概率最大的 token")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = 贪心（默认）")
+    g.add_argument("--top-k", type=int, default=0, help="0 = 不限制")
+    g.add_argument("--top-p", type=float, default=1.0, help="(0, 1]，1 = 不限制")
     g.add_argument("--min-p", type=float, default=0.0, help="[0, 1]，0 = 不限制")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="有限且 > 0，1 = 不惩罚")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0，1 = 不惩罚")
     g.add_argument("--seed", type=int, default=None, help="随机种子：同一设备上同一种子输出相同")
 
 

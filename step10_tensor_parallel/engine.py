@@ -158,8 +158,9 @@ class LLMEngine:
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
+                                   on_preempt=self.proposer.free if self.proposer is not None else None)
         self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
         self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
@@ -179,7 +180,8 @@ class LLMEngine:
             if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
                 raise UserError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
                                 f"target's ({self.model.cfg.vocab_size}): they must share the tokenizer")
-            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size, c.attention)
+            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size,
+                                      c.max_num_batched_tokens, c.attention)
         return None
 
     def add_request(self, request: Request) -> int:
@@ -236,23 +238,31 @@ class LLMEngine:
         return outputs + new
 
     def _propose(self) -> None:
-        """给每个在 decode 的请求要这一步的猜测：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的减 1
-        （验证最多产出 k+1 个 token）。暂停中的请求这一步不猜。调度器可能再砍掉几个（预算、块）。"""
+        """给每个在 decode 的请求要这一步的猜测，只要留得下的：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的
+        减 1（验证最多产出 k+1 个 token；add_request 检查过 提示词 + max_new_tokens ≤ 上下文，所以也不会超出上下文），
+        全部加起来不超过 token 预算减去 decode 的请求数（调度器先给每个 decode 1 个 token，再按同样的顺序给猜测）。
+        猜多了也是被截掉，草稿模型却要为每一个多走一步。暂停中的请求这一步不猜。调度器可能再砍掉几个（块不够）。"""
         if self.proposer is None:
             return
-        seqs = []
-        for seq in self.scheduler.running:
-            if seq.in_prefill or seq.request.max_new_tokens - len(seq.output_ids) < 2:
+        running = self.scheduler.running
+        seqs, caps, budget = [], [], self.config.max_num_batched_tokens - sum(not seq.in_prefill for seq in running)
+        for seq in running:
+            left = seq.request.max_new_tokens - len(seq.output_ids)
+            if seq.in_prefill or left < 2:
                 continue
             if seq.spec_paused_steps > 0:
                 seq.spec_paused_steps -= 1
                 continue
-            seqs.append(seq)
+            n = min(self.config.num_spec_tokens, left - 1, budget)
+            if n > 0:
+                seqs.append(seq)
+                caps.append(n)
+                budget -= n
         if not seqs:
             return
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs)):
+        for seq, n, proposal in zip(seqs, caps, self.proposer.propose(seqs, caps)):
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
-            seq.trim_spec(min(self.config.num_spec_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1))
+            seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
 
     @torch.inference_mode()
     def run_worker(self) -> None:
