@@ -411,7 +411,7 @@ def decode_forward(s, engine, B: int) -> Callable[[], None]:
     （重复写同样的槽，结果不变）：一次批 B 的 decode 前向，引擎调用模型的那一行原样。"""
     for r in serving_requests(s, 8, B):
         engine.add_request(r)
-    while engine.step_stats[-1:] == [] or engine.step_stats[-1].prefill:
+    while not engine.step_stats or engine.step_stats[-1].prefill:
         engine.step()
     batch = engine.scheduler.schedule()
     fwd = engine.kv_cache.plan(batch.seqs, batch.num_new_tokens)

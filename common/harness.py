@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import cli
 from .clock import Clock
-from .stats import EngineStats, collect_stats
+from .stats import EngineStats, collect_stats, last_steps
 
 
 @dataclass
@@ -76,7 +76,7 @@ def replay(engine, arrivals: list[Arrival], clock: Clock) -> RunOutput:
         raise ValueError("arrival times must be >= 0")
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
     seqs: list = [None] * len(arrivals)
-    first_step, nxt = len(engine.step_stats), 0
+    first_step, nxt = engine.num_steps, 0
     idle0, t0 = clock.idle_s, clock.now()
     try:
         while nxt < len(order) or engine.has_unfinished_requests():
@@ -94,5 +94,5 @@ def replay(engine, arrivals: list[Arrival], clock: Clock) -> RunOutput:
             if seq is not None:
                 engine.abort(seq.request_id)     # 已经结束的请求 abort 什么也不做
     idle = clock.idle_s - idle0
-    return RunOutput([seq.output_ids for seq in seqs],
-                     collect_stats(seqs, engine.step_stats[first_step:], clock.now() - t0 - idle, idle))
+    steps = last_steps(engine.step_stats, engine.num_steps - first_step)   # 这次运行的每一步
+    return RunOutput([seq.output_ids for seq in seqs], collect_stats(seqs, steps, clock.now() - t0 - idle, idle))

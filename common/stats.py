@@ -10,9 +10,19 @@ step04 的静态批和 step05 起的每个引擎都记同样的行，所以各�
 
 step04 持有的槽是整批预留的 B × max_len；step05 起是运行集合的块数 × block_size（step06 起共享的块只算一次）。
 时刻都来自引擎的时钟（common/clock.py）：真实运行是墙钟，测试里是虚拟时钟。
+
+引擎的 step_stats 是有界的 deque（只留最近 STEP_STATS_KEPT 行：服务器一直跑，内存不随运行时间增长），另外用
+num_steps 数一共走了几步；一次运行（generate / replay）的行 = 开始以来的 num_steps 之差，用 last_steps 取出。
 """
+import itertools
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
+
+# 引擎留最近多少步的账。章节、bench 里最长的一次运行（一次 generate / replay）不到一万步（step05 的完整负载：
+# 32 个请求、每个至多 256 个输出 token），这里留出十倍；一行约 300 字节，留满约 30 MB
+STEP_STATS_KEPT = 100_000
 
 
 @dataclass
@@ -155,6 +165,15 @@ class EngineStats:
     def max_gap_s(self) -> list[Optional[float]]:
         """每个请求相邻两个输出 token 之间最长的间隔：它在运行中被卡住的最长一次（只有 1 个输出的请求为 None）。"""
         return [max(b - a for a, b in zip(ts, ts[1:])) if len(ts) > 1 else None for ts in self.token_s]
+
+
+def last_steps(steps: deque, n: int) -> list[StepStats]:
+    """引擎的 step_stats 里最后 n 行（deque 不能切片）。一次运行走了比留下的还多的步时，前面的行已经丢了：
+    给出留下的那些并警告（统计只覆盖最后这一段），而不是悄悄少算。"""
+    if n > len(steps):
+        warnings.warn(f"this run took {n} steps but the engine keeps only the last {len(steps)} step records "
+                      f"(STEP_STATS_KEPT): the statistics cover those only", stacklevel=2)
+    return list(itertools.islice(steps, max(len(steps) - n, 0), None))
 
 
 def collect_stats(seqs, steps: list[StepStats], wall_s: float, idle_s: float = 0.0) -> EngineStats:

@@ -14,6 +14,7 @@ plan 把它们排成没有填充的一行（kv_cache.py 的 FlatAttentionMetadat
 每个请求的 K/V 往前推它这一步算的 token 数，算到最后一个 token 的才采样——prefill 的前几块不采样。
 --no-chunked-prefill 用的是 step06 的引擎（run.py）；--no-prefix-cache 是这里的 enable_prefix_caching=False。
 """
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +22,7 @@ import torch
 
 from common.clock import Clock, WallClock
 from common.errors import UserError
-from common.stats import EngineStats, StepStats, collect_stats
+from common.stats import STEP_STATS_KEPT, EngineStats, StepStats, collect_stats, last_steps
 from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
@@ -83,7 +84,8 @@ class LLMEngine:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
-        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
+        self.num_steps = 0                           # 一共走过几步（step_stats 留满以后也照数）
         self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
         self._next_id = 0
 
@@ -162,11 +164,12 @@ class LLMEngine:
         B, L = fwd.input_ids.shape
         self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
                                          fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+        self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:
         """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
         中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
-        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        seqs, first_step, t0 = [], self.num_steps, self.clock.now()
         try:
             for r in requests:
                 seqs.append(self.seqs[self.add_request(r)])
@@ -177,5 +180,5 @@ class LLMEngine:
             for i in ids:
                 self.abort(i)                        # 已经结束的请求 abort 什么也不做
             self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
-        return GenerateOutput([s.output_ids for s in seqs],
-                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))
+        steps = last_steps(self.step_stats, self.num_steps - first_step)   # 这次运行的每一步
+        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0))

@@ -17,6 +17,7 @@ scheduler.py），plan 给出这 1 + k 个位置各自的 logits（kv_cache.py�
 没有猜测的请求走同一个 verify：空猜测时它就是 step08 的那一次 sample()，spec_method="none" 与 step08 逐位相同；
 贪心时猜不猜输出都逐 token 相同，抽样时分布相同。接受率一直很低的请求暂停猜测一阵（SPEC_WINDOW 等常数）。
 """
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -24,7 +25,7 @@ import torch
 
 from common.clock import Clock, WallClock
 from common.errors import UserError
-from common.stats import EngineStats, StepStats, collect_stats
+from common.stats import STEP_STATS_KEPT, EngineStats, StepStats, collect_stats, last_steps
 from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
@@ -128,11 +129,13 @@ class LLMEngine:
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
+                                   on_preempt=self.proposer.free if self.proposer is not None else None)
         self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
-        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
+        self.num_steps = 0                           # 一共走过几步（step_stats 留满以后也照数）
         self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
         self._next_id = 0
 
@@ -146,7 +149,8 @@ class LLMEngine:
             if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
                 raise UserError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
                                 f"target's ({self.model.cfg.vocab_size}): they must share the tokenizer")
-            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size, c.attention)
+            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size,
+                                      c.max_num_batched_tokens, c.attention)
         return None
 
     def add_request(self, request: Request) -> int:
@@ -199,23 +203,31 @@ class LLMEngine:
         return outputs + new
 
     def _propose(self) -> None:
-        """给每个在 decode 的请求要这一步的猜测：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的减 1
-        （验证最多产出 k+1 个 token）。暂停中的请求这一步不猜。调度器可能再砍掉几个（预算、块）。"""
+        """给每个在 decode 的请求要这一步的猜测，只要留得下的：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的
+        减 1（验证最多产出 k+1 个 token；add_request 检查过 提示词 + max_new_tokens ≤ 上下文，所以也不会超出上下文），
+        全部加起来不超过 token 预算减去 decode 的请求数（调度器先给每个 decode 1 个 token，再按同样的顺序给猜测）。
+        猜多了也是被截掉，草稿模型却要为每一个多走一步。暂停中的请求这一步不猜。调度器可能再砍掉几个（块不够）。"""
         if self.proposer is None:
             return
-        seqs = []
-        for seq in self.scheduler.running:
-            if seq.in_prefill or seq.request.max_new_tokens - len(seq.output_ids) < 2:
+        running = self.scheduler.running
+        seqs, caps, budget = [], [], self.config.max_num_batched_tokens - sum(not seq.in_prefill for seq in running)
+        for seq in running:
+            left = seq.request.max_new_tokens - len(seq.output_ids)
+            if seq.in_prefill or left < 2:
                 continue
             if seq.spec_paused_steps > 0:
                 seq.spec_paused_steps -= 1
                 continue
-            seqs.append(seq)
+            n = min(self.config.num_spec_tokens, left - 1, budget)
+            if n > 0:
+                seqs.append(seq)
+                caps.append(n)
+                budget -= n
         if not seqs:
             return
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs)):
+        for seq, n, proposal in zip(seqs, caps, self.proposer.propose(seqs, caps)):
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
-            seq.trim_spec(min(self.config.num_spec_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1))
+            seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
@@ -282,11 +294,12 @@ class LLMEngine:
         B, L = fwd.input_ids.shape
         self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
                                          fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+        self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:
         """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
         中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
-        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        seqs, first_step, t0 = [], self.num_steps, self.clock.now()
         try:
             for r in requests:
                 seqs.append(self.seqs[self.add_request(r)])
@@ -299,5 +312,5 @@ class LLMEngine:
             for i in ids:
                 self.abort(i)                        # 已经结束的请求 abort 什么也不做
             self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
-        return GenerateOutput([s.output_ids for s in seqs],
-                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))
+        steps = last_steps(self.step_stats, self.num_steps - first_step)   # 这次运行的每一步
+        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0))

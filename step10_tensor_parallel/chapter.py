@@ -197,7 +197,7 @@ class Chapter:
         while e.has_unfinished_requests():
             e.step()
         after = parallel.stats.snapshot() if parallel is not None else {}
-        decode = [st.seconds for st in e.step_stats[1:] if not st.prefill]
+        decode = [st.seconds for st in list(e.step_stats)[1:] if not st.prefill]
         per_step = {k: [(after[k][i] - before.get(k, [0, 0, 0.0])[i]) / len(decode) for i in range(3)] for k in after}
         self.engines.append(e)
         return {"B": B, "step_s": statistics.median(decode[2:]), "per_step": per_step, "comm": e.close(),

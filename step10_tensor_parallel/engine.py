@@ -19,6 +19,7 @@ broadcast），其余 rank 的 ModelRunner 收到计划，照做拷贝、调用�
 rank 0。块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，
 池子能放 TP 倍的 token。
 """
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -26,7 +27,7 @@ import torch
 
 from common.clock import Clock, WallClock
 from common.errors import UserError
-from common.stats import EngineStats, StepStats, collect_stats
+from common.stats import STEP_STATS_KEPT, EngineStats, StepStats, collect_stats, last_steps
 from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
@@ -126,11 +127,13 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, parallel)   # 本 rank 的池子、模型、第二层（model_runner.py）
         self.kv_cache, self.swap = self.runner.kv_cache, self.runner.swap
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap)
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
+                                   on_preempt=self.proposer.free if self.proposer is not None else None)
         self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
-        self.step_stats: list[StepStats] = []        # 每一步一行（engine 活多久就记多久）
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
+        self.num_steps = 0                           # 一共走过几步（step_stats 留满以后也照数）
         self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
         self._next_id = 0
         if parallel is not None:   # rank 0 把配置发给其他 rank，它们照着建同样的 ModelRunner（model_runner.serve_worker）
@@ -155,7 +158,8 @@ class LLMEngine:
             if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
                 raise UserError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
                                 f"target's ({self.model.cfg.vocab_size}): they must share the tokenizer")
-            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size, c.attention)
+            return DraftModelProposer(draft_model, c.num_spec_tokens, c.num_blocks, c.block_size,
+                                      c.max_num_batched_tokens, c.attention)
         return None
 
     def add_request(self, request: Request) -> int:
@@ -211,23 +215,31 @@ class LLMEngine:
         return outputs + new
 
     def _propose(self) -> None:
-        """给每个在 decode 的请求要这一步的猜测：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的减 1
-        （验证最多产出 k+1 个 token）。暂停中的请求这一步不猜。调度器可能再砍掉几个（预算、块）。"""
+        """给每个在 decode 的请求要这一步的猜测，只要留得下的：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的
+        减 1（验证最多产出 k+1 个 token；add_request 检查过 提示词 + max_new_tokens ≤ 上下文，所以也不会超出上下文），
+        全部加起来不超过 token 预算减去 decode 的请求数（调度器先给每个 decode 1 个 token，再按同样的顺序给猜测）。
+        猜多了也是被截掉，草稿模型却要为每一个多走一步。暂停中的请求这一步不猜。调度器可能再砍掉几个（块不够）。"""
         if self.proposer is None:
             return
-        seqs = []
-        for seq in self.scheduler.running:
-            if seq.in_prefill or seq.request.max_new_tokens - len(seq.output_ids) < 2:
+        running = self.scheduler.running
+        seqs, caps, budget = [], [], self.config.max_num_batched_tokens - sum(not seq.in_prefill for seq in running)
+        for seq in running:
+            left = seq.request.max_new_tokens - len(seq.output_ids)
+            if seq.in_prefill or left < 2:
                 continue
             if seq.spec_paused_steps > 0:
                 seq.spec_paused_steps -= 1
                 continue
-            seqs.append(seq)
+            n = min(self.config.num_spec_tokens, left - 1, budget)
+            if n > 0:
+                seqs.append(seq)
+                caps.append(n)
+                budget -= n
         if not seqs:
             return
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs)):
+        for seq, n, proposal in zip(seqs, caps, self.proposer.propose(seqs, caps)):
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
-            seq.trim_spec(min(self.config.num_spec_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1))
+            seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
 
     def close(self) -> list[dict]:
         """结束这个引擎：多进程时 rank 0 发 END，每个 rank 离开这个引擎；返回每个 rank 的通信账（rank 0 上）。
@@ -303,11 +315,12 @@ class LLMEngine:
         B, L = fwd.input_ids.shape
         self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
                                          fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+        self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:
         """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
         中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。"""
-        seqs, first_step, t0 = [], len(self.step_stats), self.clock.now()
+        seqs, first_step, t0 = [], self.num_steps, self.clock.now()
         try:
             for r in requests:
                 seqs.append(self.seqs[self.add_request(r)])
@@ -320,5 +333,5 @@ class LLMEngine:
             for i in ids:
                 self.abort(i)                        # 已经结束的请求 abort 什么也不做
             self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
-        return GenerateOutput([s.output_ids for s in seqs],
-                              collect_stats(seqs, self.step_stats[first_step:], self.clock.now() - t0))
+        steps = last_steps(self.step_stats, self.num_steps - first_step)   # 这次运行的每一步
+        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0))

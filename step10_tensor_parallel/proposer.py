@@ -27,12 +27,13 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list) -> list[Proposal]:
-        """每个请求一份猜测。seq 上用到的：token_ids（提示词 + 已生成）、request.params、generator。"""
+    def propose(self, seqs: list, max_tokens: list[int]) -> list[Proposal]:
+        """每个请求一份猜测，seqs[i] 至多 max_tokens[i] 个（引擎算好的：再多也留不下）。
+        seq 上用到的：token_ids（提示词 + 已生成）、num_tokens、request.params、generator。"""
         ...
 
     def free(self, seq) -> None:
-        """请求结束或被抢占：丢掉为它保存的状态（草稿模型的 KV 块）。"""
+        """请求结束、被 abort 或被抢占（调度器的 on_preempt）：丢掉为它保存的状态（草稿模型的 KV 块）。"""
         ...
 
 
@@ -58,8 +59,8 @@ class NgramProposer:
                     return token_ids[start + n:start + n + self.k]
         return []
 
-    def propose(self, seqs: list) -> list[Proposal]:
-        return [Proposal(self.lookup(seq.token_ids)) for seq in seqs]
+    def propose(self, seqs: list, max_tokens: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq.token_ids)[:n]) for seq, n in zip(seqs, max_tokens)]
 
     def free(self, seq) -> None:
         pass                                                # 没有按请求保存的状态
@@ -105,46 +106,66 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 class DraftModelProposer:
     """草稿模型：一个更小的同词表模型，自己的分页 KV 池（与目标同一套 PagedKVCache / BlockManager，只是另一个实例），
-    每步为这一批请求一起走 k 步：第 1 步把草稿还没见过的 token（上一轮被接受的猜测和目标给的那个 token；新请求是
-    整段提示词）算进它的池子，之后每步 1 个 token；每步用 draft_token 抽一个，记下 q。
+    每步为这一批请求一起走至多 k 步（每个请求走到它留得下的个数为止）：第 1 步把草稿还没见过的 token（上一轮被接受的
+    猜测和目标给的那个 token；新请求、被抢占过的请求是整段提示词）算进它的池子，之后每步 1 个 token；每步用
+    draft_token 抽一个，记下 q。第 1 步也守 max_num_batched_tokens：整段提示词一次算不完就分几步追（见 propose）。
 
     回滚不用专门做：草稿池子里的 K/V 只对"它算过的 token 与请求现在的 token 相同"的那段前缀有效，
     每轮开头把 num_computed_tokens 截到这段公共前缀（被拒绝的猜测之后的都不算了，槽以后被覆盖）。
-    草稿池子的块不够时这个请求这一步不猜（照常 decode），从不为此抢占。请求结束时 free 还块。"""
+    草稿池子的块不够时这个请求这一步不猜（照常 decode），从不为此抢占。请求结束、被抢占时 free 还块。"""
 
-    def __init__(self, model, k: int, num_blocks: int, block_size: int, attention: str = "paged"):
-        self.model, self.k = model, k
+    def __init__(self, model, k: int, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 attention: str = "paged"):
+        self.model, self.k, self.max_num_batched_tokens = model, k, max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, block_size, enable_caching=False)
         self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, model.device, model.dtype, attention)
         self.states: dict[int, DraftSequence] = {}    # request_id → 草稿的状态
 
-    def propose(self, seqs: list) -> list[Proposal]:
-        live = [seq for seq in seqs if self._sync(seq)]
-        drafts = {seq.request_id: ([], []) for seq in live}     # request_id → (猜的 token, 各自的 q)
-        for _ in range(self.k if live else 0):
-            states = [self.states[seq.request_id] for seq in live]
-            fwd = self.kv_cache.plan(states, [st.num_tokens - st.num_computed_tokens for st in states])
+    def propose(self, seqs: list, max_tokens: list[int]) -> list[Proposal]:
+        """seqs[i] 至多猜 max_tokens[i] 个：草稿只走这么多步（猜多了引擎也留不下），也不走出草稿模型自己的上下文
+        （第 j 个猜测要位置 num_tokens + j − 2 的 logits）。
+        第 1 次前向要把草稿没见过的 token 算进池子——新请求是整段提示词。它也守 max_num_batched_tokens：按 seqs 的顺序
+        分预算，分不够的请求这次只算一块、这一步不猜，下一步接着追（_sync 从它算到的地方接着）。与目标的分块 prefill
+        同一个道理：一次几千 token 的草稿前向会让所有在 decode 的请求干等。vLLM 的草稿（EAGLE、草稿模型）跟着目标在
+        同一次调度里算同样的 token，分块是调度器给的；我们的草稿是自己的一次前向，就地分块改动最小，调度器不用知道草稿。"""
+        drafts = {}                                           # request_id → (猜的 token, 各自的 q)
+        live, num_new, budget = [], [], self.max_num_batched_tokens
+        for seq, n in zip(seqs, max_tokens):
+            n = min(n, self.k, self.model.cfg.max_position_embeddings + 1 - seq.num_tokens)
+            if n > 0 and budget > 0 and self._sync(seq, n):
+                st = self.states[seq.request_id]
+                live.append((seq, st, n))
+                num_new.append(min(st.num_tokens - st.num_computed_tokens, budget))
+                budget -= num_new[-1]
+        while live:
+            states = [st for _, st, _ in live]
+            fwd = self.kv_cache.plan(states, num_new)
             logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (B, V)
-            for seq, st, row in zip(live, states, logits):
-                st.num_computed_tokens = st.num_tokens
+            for st, m in zip(states, num_new):
+                st.num_computed_tokens += m
+            live = [x for x in live if x[1].num_computed_tokens == x[1].num_tokens]   # 追上了的：各有一行 logits
+            for (seq, st, _), row in zip(live, logits):
                 token, q = draft_token(row, st.token_ids, seq.request.params, seq.generator)
                 st.token_ids.append(token)                   # 下一步把它喂回去（最后一个猜测不再喂）
-                drafts[seq.request_id][0].append(token)
-                drafts[seq.request_id][1].append(q)
+                ids, qs = drafts.setdefault(seq.request_id, ([], []))
+                ids.append(token)
+                qs.append(q)
+            live = [x for x in live if len(drafts[x[0].request_id][0]) < x[2]]       # 还要猜的：下一次各算 1 个
+            num_new = [1] * len(live)
         out = []
         for seq in seqs:
             ids, qs = drafts.get(seq.request_id, ([], []))
             out.append(Proposal(ids, torch.stack(qs) if ids and qs[0] is not None else None))
         return out
 
-    def _sync(self, seq) -> bool:
-        """把草稿的状态对齐到请求现在的 token，并给这一轮要写的位置分好块；分不到块返回 False（这一步不猜）。"""
+    def _sync(self, seq, n: int) -> bool:
+        """把草稿的状态对齐到请求现在的 token，并给这一轮要写的位置（猜 n 个）分好块；分不到块返回 False（这一步不猜）。"""
         st = self.states.setdefault(seq.request_id, DraftSequence([]))
         # 至少重算最后一个 token：要它的 logits 才能猜下一个（它的 K/V 可能已在池子里——猜测被引擎截短、又正好猜对时）
         st.num_computed_tokens = min(st.num_computed_tokens, common_prefix_len(st.token_ids, seq.token_ids),
                                      seq.num_tokens - 1)
         st.token_ids = list(seq.token_ids)
-        need = self.block_manager.blocks_for(st.num_tokens + self.k - 1) - len(st.block_table)   # 写到第 k-1 个猜测
+        need = self.block_manager.blocks_for(st.num_tokens + n - 1) - len(st.block_table)   # 写到第 n-1 个猜测
         if need > 0:
             if not self.block_manager.can_allocate(need):
                 return False
@@ -158,13 +179,13 @@ class DraftModelProposer:
 
 
 class FakeProposer:
-    """测试用：script(token_ids) 返回这一步要猜的 token（或一个完整的 Proposal）。"""
+    """测试用：script(token_ids) 返回这一步要猜的 token（或一个完整的 Proposal）。不看 max_tokens：猜多了由引擎截掉。"""
 
     def __init__(self, script: Callable[[list[int]], Union[list[int], Proposal]]):
         self.script = script
         self.calls = 0
 
-    def propose(self, seqs: list) -> list[Proposal]:
+    def propose(self, seqs: list, max_tokens: list[int]) -> list[Proposal]:
         self.calls += 1
         out = [self.script(seq.token_ids) for seq in seqs]
         return [p if isinstance(p, Proposal) else Proposal(list(p)) for p in out]

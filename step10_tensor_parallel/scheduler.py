@@ -8,12 +8,16 @@ decode：1，带 k 个猜测时 1 + k），引擎只看这个数。decode 写满
 
 step09 加的投机解码：decode 中带着 k 个猜测的请求这一步算 1 + k 个 token（上一步采样出的 token + k 个猜测），
 占 1 + k 个预算；它们要写的槽在前向之前就分好（lookahead）。猜测是锦上添花：每个 decode 先保证 1 个 token，
-预算还有剩才给猜测；写猜测的块只从空闲的块里拿，从不为此抢占别人——拿不到、预算不够就少猜几个（_fit_spec）。
-被抢占的请求扔掉它的猜测（下一步重新猜）。
+预算还有剩才给猜测；写猜测的块从不为此抢占别人——拿不到、预算不够就少猜几个（_fit_spec）。"拿得到"与其他分配
+相同，包括前缀缓存里没人用、可以驱逐的块：猜测的槽可能挤掉一块缓存的前缀。vLLM V1 也是这样（allocate_slots
+给猜测分块时，可用的块数就是 free_block_queue 的长度，其中有没人用的缓存块）：没人用的缓存块本来就是空闲的内存，
+留着只是赌以后有人命中，而这些槽多半马上就用。
+被抢占的请求扔掉它的猜测（下一步重新猜），调度器调用 on_preempt（引擎给的是 Proposer.free：草稿模型为它存的
+KV 也还回去）。
 """
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -30,9 +34,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
-                 swap: Optional[SwapSpace] = None):
+                 swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None):
         self.block_manager = block_manager
         self.swap = swap                                      # None = --preempt recompute
+        self.on_preempt = on_preempt                          # 请求被抢占时调用（引擎：提议者丢掉为它存的状态）
         self.max_batch_size = max_batch_size                  # 运行集合最多几个请求（= decode 的批大小上限）
         self.max_num_batched_tokens = max_num_batched_tokens  # 一次前向最多算多少个 token
         self.waiting: deque[Sequence] = deque()
@@ -68,8 +73,9 @@ class Scheduler:
         return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
 
     def _fit_spec(self, seq: Sequence, budget: int) -> int:
-        """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上，
-        空闲的块不够就只猜到块表的末尾。返回留下的猜测数。"""
+        """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上
+        （与 vLLM 相同，没人用的前缀缓存块也算空闲、可以被驱逐：见文件开头），空闲的块不够就只猜到块表的末尾，
+        从不为此抢占。返回留下的猜测数。"""
         seq.trim_spec(budget)
         bm = self.block_manager
         need = bm.blocks_for(seq.num_tokens_with_spec) - len(seq.block_table)
@@ -134,6 +140,8 @@ class Scheduler:
         """能换出就换出（保留 KV）；否则重算式抢占：扔掉它的 KV（释放全部块），保留已生成的 token，
         重新被接纳时 prefill 提示词 + 已生成部分。"""
         seq.trim_spec(0)              # 猜测作废：回来以后重新猜
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         n = self.block_manager.blocks_for(seq.num_computed_tokens)   # 存着已算好 token 的块（最后一块可能没写满）
         if self.swap is not None and n > 0 and self.swap.can_swap_out(n):
             seq.swap_handle = self.swap.swap_out(seq.block_table[:n], seq.num_computed_tokens)   # 先拷走，再还块

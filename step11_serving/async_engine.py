@@ -39,7 +39,6 @@ from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
 
 log = logging.getLogger("step11_serving")
-STEP_STATS_KEPT = 1024     # 服务器只留引擎最近这么多步的账
 
 
 class ServerBusy(Exception):
@@ -221,9 +220,6 @@ class AsyncLLMEngine:
     def _step(self):
         with torch.inference_mode():                       # 线程局部的：在引擎线程里打开
             outs = self.engine.step()
-        # step05 起的引擎每一步记一行账（章节用它算统计）；服务器一直跑，只留最近的，内存不随运行时间增长
-        if isinstance(getattr(self.engine, "step_stats", None), list):
-            del self.engine.step_stats[:-STEP_STATS_KEPT]
         return outs
 
     def _apply(self) -> None:

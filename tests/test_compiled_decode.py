@@ -120,7 +120,8 @@ def test_compiled_equals_eager_as_the_batch_grows_and_shrinks(model, compiled, m
 
 @torch.inference_mode()
 def test_padding_rows_write_only_the_null_block_and_change_no_real_row(model, compiled):
-    """桶 4 里 3 个真实行 + 1 个补齐行：真实行的 logits 与第 4 行换成另一个真实请求时逐位相同；补齐行只写了空块；
+    """桶 4 里 3 个真实行 + 1 个补齐行：真实行的 logits 与第 4 行换成另一个真实请求时逐位相同；池子里被写过的槽
+    正好是 3 个真实行各自的槽加上空块的第 0 个槽（补齐行只写空块：第 4 个请求自己的槽、别人的块一个都没碰）；
     空块里事先塞满 NaN 也不影响真实行（没有真实的行读它）。检查能失败：把真实行的块写坏，logits 就变了。"""
     engine = step05.LLMEngine(model, step05.EngineConfig(NUM_BLOCKS, BLOCK_SIZE, 4))
     for i in range(4):
@@ -141,12 +142,12 @@ def test_padding_rows_write_only_the_null_block_and_change_no_real_row(model, co
     full, _ = run(4)
     pool[:, :, -1] = float("nan")                                        # 空块：全是 NaN
     padded, after = run(3)
-    assert torch.equal(padded[:3], full[:3])
-    assert torch.isnan(padded[3]).all() or torch.isfinite(padded[3]).all()   # 补齐行的输出是什么都行，没人用
-    changed = (after != pool) & ~(torch.isnan(after) & torch.isnan(pool))
-    blocks = changed.flatten(3).any(-1).any(-1).any(0).any(0).nonzero().flatten().tolist()   # 被改过的物理块
+    assert torch.equal(padded[:3], full[:3])                             # 补齐行的输出是什么都行，没人用
+    changed = (after != pool) & ~(torch.isnan(after) & torch.isnan(pool))   # (层, K/V, 块, 头, 块内偏移, D)
+    written = changed.any(5).any(3).any(1).any(0).flatten().nonzero().flatten().tolist()   # 槽号 = 块号 × 块大小 + 偏移
+    assert set(written) == set(fwd.slot_mapping[:3].tolist()) | {NUM_BLOCKS * BLOCK_SIZE}   # 空块的块号 = NUM_BLOCKS
+    assert int(fwd.slot_mapping[3]) not in written                    # 第 4 个请求这次是补齐的行：它的槽没被写
     real_blocks = sorted({int(s) // BLOCK_SIZE for s in fwd.slot_mapping[:3]})
-    assert set(blocks) <= set(real_blocks) | {NUM_BLOCKS}            # 空块的块号 = NUM_BLOCKS
     pool[:, :, real_blocks[0]] = 1e3                                     # 真实行读的块写坏：必须看得出来
     broken, _ = run(3)
     assert not torch.equal(broken[:3], full[:3])

@@ -2,6 +2,7 @@
 空块和没写过的槽里放什么都不影响输出、前缀已在池子里的 prefill 行、调度器的抢占账目；step API（add_request /
 step / abort / has_unfinished_requests）：每一步的输出与结束原因、abort 立刻还块、前向中途出错之后块一个不少；
 小池子 / 随机负载下每个请求的输出都等于 step03 单独生成、停止字符串、干等的记账，以及命令行。"""
+import importlib
 import json
 import random
 
@@ -14,6 +15,7 @@ from common import cli
 from common.clock import VirtualClock
 from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
+from common.harness import Arrival, replay
 from conftest import cli_error, one_arch
 from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.cache import PreallocKVCache
@@ -652,8 +654,25 @@ def test_abort_the_only_request_and_has_unfinished_requests(tiny):
     assert engine.has_unfinished_requests() and not engine.seqs and not engine.scheduler.waiting
     assert engine.step() == [RequestOutput(rid, [], True, "abort"), RequestOutput(rid2, [], True, "abort")]
     assert not engine.has_unfinished_requests()
-    assert engine.step() == [] and engine.step_stats == []              # 没有做任何前向
+    assert engine.step() == [] and not engine.step_stats and engine.num_steps == 0   # 没有做任何前向
     assert_pool_free(engine)
+
+
+@one_arch
+@pytest.mark.parametrize("step", ["step05_paged", "step06_prefix_cache", "step07_chunked_prefill", "step08_kv_quant",
+                                  "step09_speculative", "step10_tensor_parallel"])
+def test_step_stats_keep_only_the_last_steps_and_runs_still_count_their_own(tiny, step, monkeypatch):
+    """step05 起每个引擎的 step_stats 是有界的（服务器一直跑）：留满以后最老的行被挤掉，num_steps 照数；
+    generate / replay 的统计仍是这次运行自己的每一步（引擎已经留满时也是）。"""
+    mod = importlib.import_module(f"{step}.engine")
+    monkeypatch.setattr(mod, "STEP_STATS_KEPT", 6)
+    engine = mod.LLMEngine(tiny.model, mod.EngineConfig(num_blocks=16, block_size=4), clock=VirtualClock())
+    runs = [engine.generate([Request([5, 6, 7 + i], 4, ignore_eos=True)]).stats for i in range(2)]   # 各 1 + 3 步
+    runs.append(replay(engine, [Arrival(0.0, Request([9, 8, 7], 5, ignore_eos=True))], engine.clock).stats)
+    assert engine.num_steps == 4 + 4 + 5 and len(engine.step_stats) == 6
+    assert [st.num_forwards for st in runs] == [4, 4, 5]
+    assert [x.prefill for x in runs[2].steps] == [True] + [False] * 4
+    assert list(engine.step_stats)[-5:] == runs[2].steps
 
 
 @one_arch

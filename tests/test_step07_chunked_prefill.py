@@ -273,8 +273,8 @@ def test_abort_mid_chunked_prefill_frees_its_blocks(tiny):
         engine.step()
     assert sa.output_ids == step03_outputs(tiny.model, [a])[0]
     engine.abort(rb)                                     # 已结束的 id：什么也不做
-    n = len(engine.step_stats)
-    assert engine.step() == [] and len(engine.step_stats) == n
+    n = engine.num_steps
+    assert engine.step() == [] and engine.num_steps == n
     assert_idle(engine)
 
 
@@ -309,7 +309,7 @@ def test_generate_checks_every_request_before_running_any(tiny):
     engine = engine07(tiny.model, 4, 4, max_batch_size=2, budget=8)
     with pytest.raises(UserError, match="KV blocks"):
         engine.generate([Request([5, 6, 7], 4), Request(list(range(10, 30)), 4)])
-    assert engine.step_stats == []
+    assert not engine.step_stats and engine.num_steps == 0
     assert_idle(engine)
 
 

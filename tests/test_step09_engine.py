@@ -1,7 +1,10 @@
 """step09 引擎：投机解码走完整的引擎（随机小模型）。
 
 - spec none 与 step08 逐位相同（同样的输出、同样的前向次数）；贪心的 ngram / 草稿模型（自己当草稿、另一个小模型当草稿）
-  与 step08 逐 token 相同；自己当草稿时接受率 100%；
+  与 step08 逐 token 相同；自己当草稿时接受率 100%，加了噪声的自己当草稿时接受一部分、拒绝一部分；
+- 只猜留得下的：每个请求不超过 max_new_tokens 还剩的减 1，一步的猜测不超过预算减 decode 数，草稿只走这么多步；
+  草稿模型的前向也守 token 预算（新请求的整段提示词分几步追上）；抢占时草稿为它存的状态和块也还回去
+  （这几条 step10 的拷贝也跑一遍）；
 - 脚本化的猜测（FakeProposer）：在第一个 / 中间 / 最后一个位置猜错、全对（奖励 token）、k = 0；EOS、停止字符串落在
   被接受的一串里；max_new_tokens 在一串中间到达；每步每个请求产出的 token 数正好是"接受的 + 1"；
 - 分页的账：被拒绝的猜测回滚（num_computed_tokens）、从不登记进前缀缓存；小池子里抢占（重算 / 换出）、分块 prefill
@@ -21,9 +24,11 @@ from step02_sampling.distribution import hf_filtered_probs, tv_bound, tv_distanc
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 from step08_kv_quant import engine as step08
+from step09_speculative import engine as step09
 from step09_speculative import rejection_sampler
 from step09_speculative.engine import SPEC_PAUSE_STEPS, SPEC_WINDOW, EngineConfig, LLMEngine, SpecStats
 from step09_speculative.proposer import FakeProposer
+from step10_tensor_parallel import engine as step10
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=5)
@@ -44,9 +49,10 @@ def reference(model, reqs, **cfg) -> list[list[int]]:
     return step08.LLMEngine(model, step08.EngineConfig(**{**dict(num_blocks=64, block_size=4), **cfg})).generate(reqs).outputs
 
 
-def spec_engine(model, proposer=None, eos_ids=(), draft=None, **cfg) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(**{**dict(num_blocks=64, block_size=4), **cfg}), eos_ids=eos_ids,
-                     proposer=proposer, draft_model=draft)
+def spec_engine(model, proposer=None, eos_ids=(), draft=None, step=step09, **cfg) -> LLMEngine:
+    """step：引擎所在的模块（step10 的投机解码是 step09 的拷贝，有的测试两份都跑）。"""
+    return step.LLMEngine(model, step.EngineConfig(**{**dict(num_blocks=64, block_size=4), **cfg}), eos_ids=eos_ids,
+                          proposer=proposer, draft_model=draft)
 
 
 def assert_all_free(engine: LLMEngine) -> None:
@@ -73,8 +79,14 @@ def continuation_proposer(truth: dict, k: int, wrong_at=None) -> FakeProposer:
 
 @pytest.fixture(scope="module")
 def other_tiny(tmp_path_factory):
-    """另一个随机小模型（同样的形状和词表、不同的权重）：当"不完全一样"的草稿模型。"""
-    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama", seed=1), "cpu", torch.float32)
+    """"不完全一样"的草稿模型：与 llama 的 tiny 同样的权重，每个权重矩阵加上它自己标准差 10% 的噪声——猜测一部分对、
+    一部分错。（另一个随机种子的小模型几乎一个都猜不对：接受数是 0，检查不出"接受一部分、拒绝一部分"。）"""
+    model = load_model(make_tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama"), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(torch.randn(w.shape, generator=g) * w.std(correction=0) * 0.1)   # RMSNorm 的权重全是 1：std 0，不动
+    return model
 
 
 # ---------------------------------------------------------------- 与 step08 相同
@@ -118,7 +130,7 @@ def test_other_draft_model_equals_step08(tiny, other_tiny):
     eng = spec_engine(tiny.model, spec_method="draft", num_spec_tokens=2, draft=other_tiny)
     out = eng.generate(reqs)
     assert out.outputs == reference(tiny.model, reqs)
-    assert 0 < eng.spec_stats.accepted < eng.spec_stats.proposed or eng.spec_stats.accepted == 0
+    assert eng.spec_stats.proposed > 0 and 0 < eng.spec_stats.accepted < eng.spec_stats.proposed
     assert_all_free(eng)
 
 
@@ -264,6 +276,104 @@ def test_small_pool_with_preemption(tiny, preempt, attention, method):
     assert out.outputs == reference(tiny.model, reqs)
     assert out.outputs == ref
     assert out.stats.preemptions > 0 and eng.spec_stats.accepted > 0
+    assert_all_free(eng)
+
+
+@one_arch
+@pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_frees_the_draft_state(tiny, preempt, step):
+    """Proposer.free 在抢占时也被调用（不只是结束、abort）：每一步之后，草稿模型只为运行集合里的请求存着状态和块；
+    被抢占的请求回来以后草稿重新追上它。输出仍与 step08 相同。"""
+    reqs = requests(max_new=30)
+    cfg = dict(num_blocks=24, block_size=4, max_batch_size=5, preempt=preempt)
+    eng = spec_engine(tiny.model, spec_method="draft", num_spec_tokens=3, draft=tiny.model, step=step, **cfg)
+    seqs = [eng.seqs[eng.add_request(r)] for r in reqs]
+    while eng.has_unfinished_requests():
+        eng.step()
+        assert set(eng.proposer.states) <= {seq.request_id for seq in eng.scheduler.running}
+        held = sum(len(st.block_table) for st in eng.proposer.states.values())
+        assert eng.proposer.block_manager.num_free_blocks == eng.proposer.block_manager.num_blocks - held
+    assert [seq.output_ids for seq in seqs] == reference(tiny.model, reqs, **cfg)
+    assert sum(seq.num_preemptions for seq in seqs) > 0
+    assert_all_free(eng)
+
+
+def spy_draft_forwards(eng) -> list[int]:
+    """草稿模型的每一次前向算了几个 token（换上一个记账的包装）。"""
+    calls, draft = [], eng.proposer.model
+
+    class Spy(torch.nn.Module):
+        cfg = draft.cfg
+
+        def forward(self, input_ids, *args, **kw):
+            calls.append(input_ids.numel())
+            return draft(input_ids, *args, **kw)
+    eng.proposer.model = Spy()
+    return calls
+
+
+def spy_proposals(eng) -> list[tuple[int, list[tuple[int, int]]]]:
+    """每次要猜测时：(这一步 decode 的请求数, [(猜了几个, 这个请求留得下几个 = max_new_tokens 还剩的减 1)])。"""
+    log, propose = [], eng.proposer.propose
+
+    def spy(seqs, *args):
+        n_decode = sum(not s.in_prefill for s in eng.scheduler.running)
+        out = propose(seqs, *args)
+        log.append((n_decode, [(len(p.token_ids), s.request.max_new_tokens - len(s.output_ids) - 1)
+                               for s, p in zip(seqs, out)]))
+        return out
+    eng.proposer.propose = spy
+    return log
+
+
+@one_arch
+@pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
+def test_draft_forwards_respect_the_token_budget(tiny, other_tiny, step):
+    """草稿模型第一次见到一个请求时要把整段提示词算进它的池子：这次前向也守 max_num_batched_tokens（分几步追上，
+    追上之前不猜），与目标的分块 prefill 一样，不会有一次超过预算的长前向让所有请求干等。"""
+    reqs = requests()                                  # 提示词 5、17、33、8、12 个 token
+    cfg = dict(max_batch_size=5, max_num_batched_tokens=8)
+    eng = spec_engine(tiny.model, spec_method="draft", num_spec_tokens=3, draft=other_tiny, step=step, **cfg)
+    calls = spy_draft_forwards(eng)
+    out = eng.generate(reqs)
+    assert out.outputs == reference(tiny.model, reqs, **cfg)
+    assert calls and max(calls) <= 8
+    assert max(st.tokens for st in out.stats.steps) <= 8
+    assert eng.spec_stats.proposed > 0
+    assert_all_free(eng)
+
+
+@one_arch
+@pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
+def test_draft_drafts_only_what_can_be_kept(tiny, step):
+    """还剩 2 个 token 要生成时至多留得下 1 个猜测：草稿只走 1 步，不走 k 步再被截掉。"""
+    eng = spec_engine(tiny.model, spec_method="draft", num_spec_tokens=4, draft=tiny.model, step=step)
+    calls = spy_draft_forwards(eng)
+    log = spy_proposals(eng)
+    out = eng.generate([Request(prompts()[0], 3, GREEDY, ignore_eos=True)])   # prefill 出 1 个，还剩 2 个
+    assert out.outputs == reference(tiny.model, [Request(prompts()[0], 3, GREEDY, ignore_eos=True)])
+    assert [props for _, props in log] == [[(1, 1)]] and len(calls) == 1      # 猜 1 个（全对）+ 奖励 token：结束
+    assert out.stats.num_forwards == 2
+
+
+@one_arch
+@pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_proposals_fit_max_new_tokens_and_the_token_budget(tiny, method, step):
+    """每次要的猜测：每个请求不超过 max_new_tokens 还剩的减 1；一步里全部猜测不超过预算减去 decode 请求数
+    （调度器先给每个 decode 1 个 token，再给猜测）。5 个 2 个 token 的提示词一步全部 prefill 完，之后 5 个一起 decode：
+    预算 10 里只有 5 个留给猜测。"""
+    reqs = requests(max_new=12, ps=[[5 + i, 6] for i in range(5)])
+    cfg = dict(max_batch_size=5, max_num_batched_tokens=10)
+    eng = spec_engine(tiny.model, spec_method=method, num_spec_tokens=4, ngram_min=1, draft=tiny.model, step=step,
+                      **cfg)
+    log = spy_proposals(eng)
+    out = eng.generate(reqs)
+    assert out.outputs == reference(tiny.model, reqs, **cfg)
+    assert log[0][0] == 5 and all(n <= keep for _, props in log for n, keep in props)
+    assert all(sum(n for n, _ in props) <= 10 - n_decode for n_decode, props in log)
+    assert any(n > 0 for _, props in log for n, _ in props)
     assert_all_free(eng)
 
 

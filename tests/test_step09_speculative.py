@@ -91,7 +91,7 @@ def test_fake_proposer_scripts_per_sequence():
         def __init__(self, ids):
             self.token_ids = ids
     fake = FakeProposer(lambda ids: ids[-2:])
-    assert [p.token_ids for p in fake.propose([Seq([1, 2, 3]), Seq([4, 5])])] == [[2, 3], [4, 5]]
+    assert [p.token_ids for p in fake.propose([Seq([1, 2, 3]), Seq([4, 5])], [2, 2])] == [[2, 3], [4, 5]]
 
 
 # ---------------------------------------------------------------- 2. 贪心验证
