@@ -3,7 +3,7 @@
 Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
 状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。step06 加两项前缀缓存的账：提示词里有几个
 token 直接用了缓存（num_cached_tokens），块表开头有几块已经登记进缓存。step07 的 prefill 可能分好几步做完，
-所以请求自己记着它还在不在 prefill（in_prefill）。step08 的换出式抢占多一个状态 SWAPPED：它的 K/V 在第二层
+所以请求自己记着这一轮 prefill 要算到哪（num_prefill_tokens；in_prefill 由它和 num_computed_tokens 得出）。step08 的换出式抢占多一个状态 SWAPPED：它的 K/V 在第二层
 （swap_handle），重新接纳时拷回来，接着往下算。step09 的投机解码：decode 中的请求每步可以带几个猜测
 （spec_token_ids，提议者给出）一起进前向；猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来。
 """
@@ -50,7 +50,7 @@ class Sequence:
     num_registered_blocks: int = 0            # 块表开头已经登记进前缀缓存（或本来就是命中得来）的满块数
     num_preemptions: int = 0
     swap_handle: Optional[SwapHandle] = None   # SWAPPED 时：它的块在第二层的哪里
-    in_prefill: bool = True       # 还在（重新）prefill：采样出 token 后变 False，被抢占重算时变回 True（vLLM V0 的 SequenceStage）
+    num_prefill_tokens: int = field(init=False)   # 这一轮 prefill 要算到第几个 token：提示词长；被抢占重算时是那时的全部 token
     # 计时（秒，引擎时钟的读数）
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
@@ -63,6 +63,15 @@ class Sequence:
     num_spec_accepted: int = 0    # 其中被接受的
     spec_recent: list[float] = field(default_factory=list)   # 最近几次验证各自的接受率（按请求关掉投机用）
     spec_paused_steps: int = 0    # > 0：接受率太低，这么多步里不猜（engine.py 的 SPEC_* 常数）
+
+    def __post_init__(self):
+        self.num_prefill_tokens = len(self.request.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """还在（重新）prefill：K/V 还没算到 num_prefill_tokens。算完的那一步采样出 token，之后是 decode
+        （num_computed_tokens = num_tokens − 1：最后一个 token 刚采样出来，还没算）。"""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def num_tokens(self) -> int:
