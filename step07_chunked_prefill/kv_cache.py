@@ -65,7 +65,6 @@ class PagedKVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
-
     def plan(self, seqs, num_new_tokens: list[int]) -> "FlatAttentionMetadata":
         """seqs[i] 这一步算 num_new_tokens[i] 个 token（从它的 num_computed_tokens 起），排成一行 (1, T)。
         只算 1 个的（decode，或 prefill 恰好只分到 1 个 token）排在行首，其余（prefill 的块）依次接在后面

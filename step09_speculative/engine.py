@@ -247,7 +247,7 @@ class LLMEngine:
             if not rows:                                   # plan 没给 logits 行：prefill 还没算完
                 self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
                 continue
-            # rows 是 1 + k 行：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
+            # logits 的这 1 + k 行：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
             # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
             tokens = verify(logits[rows.start:rows.stop], seq.token_ids, Proposal(spec, seq.spec_probs),
                             seq.request.params, seq.generator)
