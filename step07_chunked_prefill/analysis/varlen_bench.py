@@ -88,8 +88,8 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
     """造一个池子和这一步的请求：每个 decode 已缓存 c-1 个 token、这一步算第 c 个；prefill 块已缓存 chunk[0] 个、
     这一步算 chunk[1] 个（算到提示词末尾，所以它也要采样）。返回 (池子, 请求, 每个请求这一步的 token 数)。
     池子的内容由固定种子决定：两种 attention 的池子装的是同样的数。"""
-    cached, L = chunk
-    lengths = decode_contexts + [cached + L]
+    computed, L = chunk                                  # prefill 块：已在池子里的 token 数，这一步算的数
+    lengths = decode_contexts + [computed + L]
     need = [-(-n // block_size) for n in lengths]
     cache = PagedKVCache(s.cfg, sum(need), block_size, s.device, s.dtype, attention)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -99,7 +99,7 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
         seq = Sequence(i, Request(list(range(1, n + 1)), 4), torch.Generator(), 0.0)
         seq.block_table = list(range(first, first + need[i]))
         first += need[i]
-        seq.num_computed_tokens = n - 1 if i < len(decode_contexts) else cached
+        seq.num_computed_tokens = n - 1 if i < len(decode_contexts) else computed
         seqs.append(seq)
     return cache, seqs, [1] * len(decode_contexts) + [L]
 
