@@ -1,4 +1,4 @@
-"""--attention gather 的参考读法：按段 gather，只有 kv_cache.py 的 plan 在 attention="gather" 时用它。
+"""--attention gather 的参考读法：按段 gather。引擎里只有 kv_cache.py 的 plan 在 attention="gather" 时用它。
 
 展平的一行 (1, T) 切成几段（kv_cache.py 的 plan 已把它们排成这个顺序）：全部只算 1 个 token 的请求一段（decode 批），
 每个 prefill 块一段（1 行 L 个 query）。每一段就是 step05/06 的一次前向：一个左填充的 (B, L) AttentionMetadata

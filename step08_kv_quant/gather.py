@@ -1,4 +1,4 @@
-"""--attention gather 的参考读法：按段 gather，只有 kv_cache.py 的 plan 在 attention="gather" 时用它。
+"""--attention gather 的参考读法：按段 gather。引擎里只有 kv_cache.py 的 plan 在 attention="gather" 时用它。
 
 展平的一行 (1, T) 切成几段（kv_cache.py 的 plan 已把它们排成这个顺序）：全部只算 1 个 token 的请求一段（decode 批），
 每个 prefill 块一段（1 行 L 个 query）。每一段就是 step05/06 的一次前向：一个左填充的 (B, L) AttentionMetadata
@@ -11,7 +11,8 @@
 gather 是一次真实的拷贝：B × max_blocks × block_size 个槽，每槽 cfg.kv_bytes_per_token 字节（全部层的 K 和 V），
 AttentionMetadata.gather_bytes 在拷贝发生的地方把它如实累加。每行自己长度之外的位置（补齐的空块、最后一块还没写到的
 尾巴）K 被掩码遮住，V 是 0（空块的 V 每次读之前清零，尾巴读回之后清零）。attend_segments 把一行切成段、各段各自
-写、读、算注意力，再按原顺序拼回一行。analysis/varlen_bench.py 也用 plan_segment 排"左填充 + 掩码"的对照批。
+写、读、算注意力，再按原顺序拼回一行。step07 的 analysis/varlen_bench.py（"左填充 + 掩码"的对照批）与 step08 的
+chapter.py（量化池子的整段 prefill）也直接用 plan_segment。
 
 step08：量化的池子（kv_cache.py 的说明）只能走这条路（C++ 内核只读模型 dtype 的池子）。写：新 token 的 K/V 先量化，
 码和 scale 各写进自己的槽；读：同样的 read_rows 一次 index_select 拷出码，再拷出对应的 scale，乘起来就是反量化后的
