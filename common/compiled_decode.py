@@ -214,8 +214,8 @@ class CompiledDecodeModel(torch.nn.Module):
         """这一步是不是纯 decode、注意力按块表读模型 dtype 的池子：step05/06 的批形状 (R, 1)，或 step07/08
         展平的一行 (1, T) 里 T 个请求（T 个 token、每个请求至少 1 个，所以每个恰好 1 个）。"""
         seq_lens = getattr(cache, "seq_lens", None)
-        if seq_lens is None or cache.pool.dtype != self.model.dtype:
-            return False                       # 全新的 prefill（不读池子）、gather 读法、量化的池子
+        if seq_lens is None or getattr(cache, "segments", None) is not None or cache.pool.dtype != self.model.dtype:
+            return False                       # 全新的 prefill（不读池子）、gather 读法（step07 起按段）、量化的池子
         B, L = input_ids.shape
         R = seq_lens.shape[0]
         if not ((L == 1 and B == R) or (B == 1 and L == R)):

@@ -146,7 +146,7 @@ class PagedKVCache:
         L = max(len(t) for t in news)
         tables = [seq.block_table for seq in seqs]
         max_blocks = max(map(len, tables))
-        cached = torch.tensor([seq.num_computed_tokens for seq in seqs])           # (B,)
+        computed = torch.tensor([seq.num_computed_tokens for seq in seqs])         # (B,)
         n_new = torch.tensor([len(t) for t in news])                               # (B,)
         # 左填充：真实 token 靠右，last_only 取到的就是每行最后一个真实 token
         input_ids = torch.tensor([[PAD_ID] * (L - len(t)) + t for t in news])      # (B, L)
@@ -154,7 +154,7 @@ class PagedKVCache:
         pad = L - n_new                                                            # (B,) 每行的填充数
         col = torch.arange(L)
         real = col[None, :] >= pad[:, None]                                        # (1, L) >= (B, 1) -> (B, L)
-        positions = torch.where(real, cached[:, None] + col[None, :] - pad[:, None], 0)   # (B, L)，填充处 0
+        positions = torch.where(real, computed[:, None] + col[None, :] - pad[:, None], 0)   # (B, L)，填充处 0
         slots = block_tables.gather(1, positions // bs) * bs + positions % bs      # (B, L) 逻辑位置 → 物理槽
         token_index = real.flatten().nonzero().squeeze(1)                          # (N,)
         slot_mapping = slots.flatten()[token_index]                                # (N,)
@@ -168,7 +168,7 @@ class PagedKVCache:
         if self.attention == "paged":   # 内核按块表直接读池子：只要每行的长度，不拷贝、不用掩码
             return AttentionMetadata(self.pool, input_ids.to(dev), positions.to(dev), None, token_index.to(dev),
                                      slot_mapping.to(dev), block_tables.to(device=dev, dtype=torch.int32), logits_index,
-                                     (cached + n_new).to(device=dev, dtype=torch.int32),
+                                     (computed + n_new).to(device=dev, dtype=torch.int32),
                                      n_new.to(device=dev, dtype=torch.int32))
         S = max_blocks * bs
         # 按绝对位置的因果掩码：位置 p 的 query 只看位置 ≤ p 的 key。块表里还没写（或补齐出来）的槽，
@@ -180,7 +180,7 @@ class PagedKVCache:
         heads = torch.arange(self.H_kv)[None, None, :, None]                       # (1, 1, H_kv, 1)
         read_rows = ((kv * (self.num_blocks + 1) + block_tables[None, :, None, :]) * self.H_kv + heads).flatten()
         #            (2, B, H_kv, max_blocks) 展平：拷出来的顺序就是 (K/V, B, H_kv, S)
-        length = cached + n_new                                                    # (B,) 这次前向之后每行的长度
+        length = computed + n_new                                                  # (B,) 这次前向之后每行的长度
         own = torch.tensor([len(t) * bs for t in tables])                          # (B,) 每行自己的块覆盖到哪
         tail = (key_pos[None, :] >= length[:, None]) & (key_pos[None, :] < own[:, None])   # (B, S)
         tail = tail[:, None, :].expand(B, self.H_kv, S)                            # (B, H_kv, S)

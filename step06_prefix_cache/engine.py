@@ -92,7 +92,7 @@ class LLMEngine:
                             f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
                             f"has only {have}: raise --num-blocks or lower --max-new-tokens")
         if request.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the generated text")
+            raise UserError("stop strings need a tokenizer to decode the generated text")
         rid, self._next_id = self._next_id, self._next_id + 1
         seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
         self.seqs[rid] = seq
@@ -155,9 +155,10 @@ class LLMEngine:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)
         B, L = fwd.input_ids.shape
-        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
-                                         fwd.gather_bytes, len(stalled),
-                                         0 if batch.is_prefill else len(batch.seqs), len(self.scheduler.running)))
+        self.step_stats.append(StepStats(
+            prefill=batch.is_prefill, rows=B, width=L, tokens=len(fwd.token_index), idle_rows=0, kv_slots_held=held,
+            kv_slots_used=used, seconds=seconds, gather_bytes=fwd.gather_bytes, stalled=len(stalled),
+            decode_tokens=0 if batch.is_prefill else len(batch.seqs), num_running=len(self.scheduler.running)))
         self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:

@@ -98,7 +98,7 @@ class LLMEngine:
                             f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
                             f"has only {have}: raise --num-blocks or lower --max-new-tokens")
         if request.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the generated text")
+            raise UserError("stop strings need a tokenizer to decode the generated text")
         rid, self._next_id = self._next_id, self._next_id + 1
         seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
         self.seqs[rid] = seq
@@ -125,26 +125,24 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
-        new = self._postprocess(batch, logits)
+        new = self._postprocess(batch, logits, fwd.logits_rows)
         self._record(batch, fwd, self.clock.now() - t0, new)
         for o in new:
             if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
                 self.scheduler.finish(self.seqs.pop(o.request_id), o.finish_reason)
         return outputs + new
 
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        """每个请求的 K/V 往前推它这一步算的 token 数；算到了最后一个 token 的请求采一个 token（prefill 的前几块不采样）。
-        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
-        outputs, row, now = [], 0, self.clock.now()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> list[RequestOutput]:
+        """每个请求的 K/V 往前推它这一步算的 token 数；plan 给了 logits 行的请求（算到了最后一个 token）采一个 token
+        （prefill 的前几块不采样）。这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
+        outputs, now = [], self.clock.now()
+        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logits_rows):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not rows:
                 continue
             # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
-            token = sample(logits[row], seq.token_ids, seq.request.params, seq.generator)
-            row += 1
-            seq.in_prefill = False
+            token = sample(logits[rows.start], seq.token_ids, seq.request.params, seq.generator)
             reason = seq.append_token(token, self.eos_ids, self.tokenizer)
             seq.token_times.append(now)
             if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"
@@ -161,9 +159,11 @@ class LLMEngine:
         for seq in stalled:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)
-        B, L = fwd.input_ids.shape
-        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
-                                         fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+        T = fwd.input_ids.shape[1]                   # 一行 (1, T)，没有填充
+        self.step_stats.append(StepStats(
+            prefill=batch.is_prefill, rows=1, width=T, tokens=T, idle_rows=0, kv_slots_held=held, kv_slots_used=used,
+            seconds=seconds, gather_bytes=fwd.gather_bytes, stalled=len(stalled),
+            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running)))
         self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:

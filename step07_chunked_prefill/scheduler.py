@@ -40,8 +40,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        num_waiting = len(self.waiting)
-        self._grow_for_decode()
+        preempted = self._grow_for_decode()
         seqs = [seq for seq in self.running if not seq.in_prefill]      # 1) decode：各 1 个 token
         num_new = [1] * len(seqs)
         budget = self.max_num_batched_tokens - len(seqs)
@@ -51,7 +50,7 @@ class Scheduler:
                 num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
                 budget -= num_new[-1]
         # 3) 接纳新请求。这一步抢占过就不接：刚腾出来的块正是被抢占的请求要的，接了新请求它下一步又会被抢占
-        if budget > 0 and len(self.waiting) == num_waiting:
+        if budget > 0 and not preempted:
             for seq in self._admit(budget):
                 seqs.append(seq)
                 num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
@@ -80,26 +79,29 @@ class Scheduler:
             batch.append(seq)
         return batch
 
-    def _grow_for_decode(self) -> None:
-        """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。"""
-        bm, i = self.block_manager, 0
+    def _grow_for_decode(self) -> bool:
+        """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。
+        返回这一步有没有抢占。"""
+        bm, i, preempted = self.block_manager, 0, False
         while i < len(self.running):  # 从最老的开始，保证老请求先拿到块
             seq = self.running[i]
             while bm.needs_slot(seq) and not bm.can_allocate(1):
                 victim = self.running[-1]     # 池子空了：抢占最新的请求
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:             # 轮到的正是最新的那个：它自己让出来，这一步不跑它
-                    return
+                    return True
             if bm.needs_slot(seq):
                 bm.append_slot(seq)
             i += 1
+        return preempted
 
     def _preempt(self, seq: Sequence) -> None:
         """重算式抢占：扔掉它的 KV（释放全部块），保留已生成的 token；重新被接纳时 prefill 提示词 + 已生成部分。"""
         self.running.remove(seq)
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.WAITING
-        seq.in_prefill = True         # 重新接纳后从头（或从命中的前缀）再 prefill
+        seq.num_prefill_tokens = seq.num_tokens   # 重新接纳后从头（或从命中的前缀）再 prefill 到这里
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)  # 放回队头：它比所有还在等的请求都早到
 

@@ -27,6 +27,7 @@ from step08_kv_quant import engine as step08
 from step08_kv_quant.analysis.quality import first_divergence, pool as pool_quality, teacher_forced_quality
 from step08_kv_quant.analysis.swap_cost import crossover, measure_swap_vs_recompute
 from step08_kv_quant.engine import blocks_needed, num_blocks_for_budget
+from step08_kv_quant.gather import plan_segment
 from step08_kv_quant.kv_cache import PagedKVCache
 from step08_kv_quant.quant import KV_DTYPE_CHOICES, kv_format
 from step08_kv_quant.sequence import Sequence
@@ -223,7 +224,7 @@ class Chapter:
         nb = -(-len(ids) // self.bs)
         cache = PagedKVCache(self.s.cfg, nb, self.bs, self.s.device, self.s.dtype, fmt=fmt)
         seq = Sequence(0, Request(ids, 1), torch.Generator(), 0.0, block_table=list(range(nb)))
-        fwd = cache._plan_segment([seq], [len(ids)])                 # 一段整段 prefill：每个位置都要 logits
+        fwd = plan_segment(cache, [seq], [len(ids)])                 # 一段整段 prefill（gather.py）：每个位置都要 logits
         return self.s.model(fwd.input_ids, fwd.positions, fwd)[0]
 
     # ---------- [4] 容量、并发、吞吐 ----------

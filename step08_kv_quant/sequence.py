@@ -1,7 +1,7 @@
 """一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence），以及引擎每一步交给调用方的 RequestOutput。
 
 Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
-前缀缓存的账、还在不在 prefill、状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。
+前缀缓存的账、这一轮 prefill 要算到哪（num_prefill_tokens）、状态、被抢占的次数，以及计时用的几个时刻（都来自引擎的时钟）。
 step08 加的换出式抢占多一个状态 SWAPPED：它的 K/V 在第二层（swap_handle），重新接纳时拷回来，接着往下算。
 """
 import enum
@@ -47,12 +47,21 @@ class Sequence:
     num_registered_blocks: int = 0            # 块表开头已经登记进前缀缓存（或本来就是命中得来）的满块数
     num_preemptions: int = 0
     swap_handle: Optional[SwapHandle] = None   # SWAPPED 时：它的块在第二层的哪里
-    in_prefill: bool = True       # 还在（重新）prefill：采样出 token 后变 False，被抢占重算时变回 True（vLLM V0 的 SequenceStage）
+    num_prefill_tokens: int = field(init=False)   # 这一轮 prefill 要算到第几个 token：提示词长；被抢占重算时是那时的全部 token
     # 计时（秒，引擎时钟的读数）
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻
     stall_time: float = 0.0       # 已经有输出、却因为这一步在给别人做 prefill 而干等的时间
+
+    def __post_init__(self):
+        self.num_prefill_tokens = len(self.request.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """还在（重新）prefill：K/V 还没算到 num_prefill_tokens。算完的那一步采样出 token，之后是 decode
+        （num_computed_tokens = num_tokens − 1：最后一个 token 刚采样出来，还没算）。"""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def num_tokens(self) -> int:

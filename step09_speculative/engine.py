@@ -162,7 +162,7 @@ class LLMEngine:
                             f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
                             f"has only {have}: raise --num-blocks or lower --max-new-tokens")
         if request.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the generated text")
+            raise UserError("stop strings need a tokenizer to decode the generated text")
         rid, self._next_id = self._next_id, self._next_id + 1
         seq = Sequence(rid, request, make_generator(request.params.seed, self.model.device), self.clock.now())
         self.seqs[rid] = seq
@@ -192,7 +192,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens)           # 这次前向的地址信息
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
-        new = self._postprocess(batch, logits)
+        new = self._postprocess(batch, logits, fwd.logits_rows)
         self._record(batch, fwd, self.clock.now() - t0, new)
         for o in new:
             if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
@@ -229,31 +229,30 @@ class LLMEngine:
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
             seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
 
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
         （prefill 的前几块不采样）：接受的猜测 + 一个目标模型的 token 依次 append（遇到结束条件就停，后面的扔掉）。
         接受的猜测的 K/V 这次前向已经写进池子，算进 num_computed_tokens；被拒绝的不算——这就是回滚，它们的槽以后被覆盖。
         这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
-        outputs, row, now = [], 0, self.clock.now()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        outputs, now = [], self.clock.now()
+        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logits_rows):
             spec = seq.spec_token_ids
             seq.num_computed_tokens += n - len(spec)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not rows:                                   # plan 没给 logits 行：prefill 还没算完
                 self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
                 continue
-            rows = logits[row:row + 1 + len(spec)]         # (1 + k, V)：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
-            row += 1 + len(spec)
+            # logits 的这 1 + k 行：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
             # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
             try:
-                tokens = verify(rows, seq.token_ids, Proposal(spec, seq.spec_probs), seq.request.params, seq.generator)
-                if not all(0 <= t < rows.shape[-1] for t in tokens):   # 坏了的分布（NaN）采出越界的 id：喂回模型会让下一步的前向整批出错
+                tokens = verify(logits[rows.start:rows.stop], seq.token_ids, Proposal(spec, seq.spec_probs),
+                                seq.request.params, seq.generator)
+                if not all(0 <= t < logits.shape[-1] for t in tokens):   # 坏了的分布（NaN）采出越界的 id：喂回模型会让下一步的前向整批出错
                     raise ValueError(f"sampling produced token ids outside the vocabulary: {tokens}")
             except Exception as e:   # 只属于这个请求（它的采样）：只结束它，同一批别的请求照常；服务器据此只回它一个错误
                 outputs.append(RequestOutput(seq.request_id, [], True, "error", seq.num_cached_tokens, e))
                 continue
             self._count_spec(seq, len(spec), len(tokens) - 1)
             seq.trim_spec(0)
-            seq.in_prefill = False
             new, reason = [], None
             for i, token in enumerate(tokens):
                 reason = seq.append_token(token, self.eos_ids, self.tokenizer)
@@ -291,9 +290,11 @@ class LLMEngine:
         for seq in stalled:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)
-        B, L = fwd.input_ids.shape
-        self.step_stats.append(StepStats(batch.is_prefill, B, L, len(fwd.token_index), 0, held, used, seconds,
-                                         fwd.gather_bytes, len(stalled), batch.num_decode_tokens, len(self.scheduler.running)))
+        T = fwd.input_ids.shape[1]                   # 一行 (1, T)，没有填充
+        self.step_stats.append(StepStats(
+            prefill=batch.is_prefill, rows=1, width=T, tokens=T, idle_rows=0, kv_slots_held=held, kv_slots_used=used,
+            seconds=seconds, gather_bytes=fwd.gather_bytes, stalled=len(stalled),
+            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running)))
         self.num_steps += 1
 
     def generate(self, requests: list[Request]) -> GenerateOutput:

@@ -1,8 +1,9 @@
 """rank 0 每一步广播给所有 rank 的计划：调度器的决定，编成一个定长的 int32 张量，一次 broadcast。
 
 每个 rank 收到后调用同一个 `PagedKVCache.plan(seqs, num_new_tokens)`（kv_cache.py 一行不改），用自己的池子
-排出这次前向的地址信息——slot_mapping、块表、每行的 key 数与 query 数、位置、掩码（gather 读法）都从这几样算出来，
-所以每个 rank 的计划逐位相同，worker 永远不会和 rank 0 走岔。这也是 vLLM V1 的做法：广播调度器的输出
+排出这次前向的地址信息——input_ids、位置、slot_mapping、块表、每个请求的 key 数与 query 数、要算 logits 的行
+（logits_index：算完了的请求的最后一个 token，验证的行是最后 k+1 个；各 rank 的 lm_head 算同样的行）、
+gather 读法的段都从这几样算出来，所以每个 rank 的计划逐位相同，worker 永远不会和 rank 0 走岔。这也是 vLLM V1 的做法：广播调度器的输出
 （SchedulerOutput），每个 worker 自己准备输入；V0 则由 driver 准备好张量再逐个广播。
 
 布局（int32；第一个数 < 0 是控制消息：END = 这个引擎结束了，HEARTBEAT = rank 0 还在、只是空闲，见 distributed.py）：

@@ -547,7 +547,7 @@ def test_stop_strings_equal_step03(tiny):
     for outs in (generate_batch(tiny.model, requests, 6, (), tok).outputs,
                  generate_batch(tiny.model, requests, 4, (), tok).outputs, out5.outputs):
         assert outs == refs
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(UserError, match="tokenizer"):
         LLMEngine(tiny.model, EngineConfig(num_blocks=10, block_size=4)).generate(requests)
 
 

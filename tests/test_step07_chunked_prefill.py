@@ -89,7 +89,7 @@ def test_mixed_forward_positions_slots_and_masks_by_hand(tiny):
     assert fwd.input_ids.tolist() == [[16, 29, 35, 36, 37, 41, 42, 43]]
     assert fwd.positions.tolist() == [[5, 9, 4, 5, 6, 0, 1, 2]]
     assert fwd.logits_index.tolist() == [0, 1, 4]            # d1、d2、c1 的最后一个 token；c2 还没算完，不采样
-    assert fwd.token_index.tolist() == list(range(8))        # 没有填充
+    assert fwd.logits_rows == [range(0, 1), range(1, 2), range(2, 3), range(3, 3)]   # 各请求在 logits 里的行；c2 没有
     dec, s1, s2 = fwd.segments
     assert dec.input_ids.shape == (2, 1) and s1.input_ids.shape == (1, 3) and s2.input_ids.shape == (1, 3)
     # 槽号 = 块号 × 4 + 块内偏移：d1 位置 5 在逻辑块 1（物理 7）偏移 1；d2 位置 9 在逻辑块 2（物理 2）偏移 1

@@ -239,6 +239,35 @@ def test_max_new_tokens_reached_mid_run(tiny):
     assert_all_free(eng)
 
 
+# ---------------------------------------------------------------- plan：验证的行
+
+@pytest.mark.parametrize("attention", ["paged", "gather"])
+@one_arch
+def test_plan_puts_verify_rows_in_the_flat_row_and_names_each_requests_logits_rows(tiny, attention):
+    """块大小 4。d：decode（提示词 5 + 1 个输出）；v：带 2 个猜测的 decode（提示词 6 + 1 个输出，这一步算 3 个）；
+    c：一个提示词的第一块（提示词 9，这次算 4 个，不采样）。行：d 在前（只算 1 个），然后 v 的 3 个、c 的 4 个；
+    要 logits 的是 d 的 1 个和 v 的 3 个，logits_rows 按 seqs 的顺序告诉引擎各自在 logits 里的哪几行。"""
+    from step09_speculative.kv_cache import PagedKVCache
+    from step09_speculative.sequence import Sequence
+
+    def seq_at(prompt, outputs, computed, table, spec=()):
+        seq = Sequence(0, Request(prompt, 8), torch.Generator(), 0.0, block_table=table)
+        seq.output_ids, seq.num_computed_tokens, seq.spec_token_ids = list(outputs), computed, list(spec)
+        return seq
+
+    v = seq_at([11, 12, 13, 14, 15, 16], [17], 6, [3, 7, 9], spec=[18, 19])
+    c = seq_at(list(range(40, 49)), [], 0, [0, 1, 2])
+    d = seq_at([21, 22, 23, 24, 25], [26], 5, [5, 6])
+    fwd = PagedKVCache(tiny.cfg, 16, 4, "cpu", torch.float32, attention).plan([v, c, d], [3, 4, 1])
+    assert fwd.input_ids.tolist() == [[26, 17, 18, 19, 40, 41, 42, 43]]
+    assert fwd.positions.tolist() == [[5, 6, 7, 8, 0, 1, 2, 3]]
+    assert fwd.slot_mapping.tolist() == [6 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 9 * 4 + 0, 0, 1, 2, 3]
+    assert fwd.seq_lens.tolist() == [6, 9, 4] and fwd.query_lens.tolist() == [1, 3, 4]
+    assert fwd.logits_index.tolist() == [1, 2, 3, 0]          # 按 seqs 的顺序：v 的 3 个，然后 d
+    assert fwd.logits_rows == [range(0, 3), range(3, 3), range(3, 4)]
+    assert (fwd.segments is not None) == (attention == "gather")
+
+
 # ---------------------------------------------------------------- 分页的账
 
 @one_arch

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from common.bench import interleaved_medians, machine, table  # noqa: E402
 from common.kv_cache import KVCache  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
+from step07_chunked_prefill.gather import plan_segment  # noqa: E402
 from step07_chunked_prefill.kv_cache import FlatAttentionMetadata, PagedKVCache  # noqa: E402
 from step07_chunked_prefill.sequence import Sequence  # noqa: E402
 
@@ -68,14 +69,13 @@ def plan_dense(cache: PagedKVCache, seqs, num_new_tokens: list[int], flat: FlatA
     heads = torch.arange(H_kv)[None, :, None]
     read_rows = ((kv * (cache.num_blocks + 1) + blocks[None, None, :]) * H_kv + heads).flatten()   # (2, H_kv, nb) 展平
     read_buf = torch.empty(len(read_rows), bs * cache.D, device=dev, dtype=cache.pool.dtype)
-    slots = torch.cat([seg.slot_mapping for seg in flat.segments])
-    return DenseRowForward(cache.pool, slots, read_rows.to(dev), read_buf, mask[None, None, None].to(dev))
+    return DenseRowForward(cache.pool, flat.slot_mapping, read_rows.to(dev), read_buf, mask[None, None, None].to(dev))
 
 
 def score_count(fwd) -> int:
     """注意力每个头、每层要算的分数个数：Σ 段 B × L × S（掩码的形状），块对角的是 T × ΣS；
     paged 的内核只算每个请求自己的 query × 它读的 key（按块取整）。"""
-    if isinstance(fwd, FlatAttentionMetadata) and fwd.seq_lens is not None:
+    if isinstance(fwd, FlatAttentionMetadata) and fwd.segments is None:
         bs = fwd.pool.shape[4]
         return int(sum(q * -(-k // bs) * bs for q, k in zip(fwd.query_lens.tolist(), fwd.seq_lens.tolist())))
     if isinstance(fwd, FlatAttentionMetadata):
@@ -88,8 +88,8 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
     """造一个池子和这一步的请求：每个 decode 已缓存 c-1 个 token、这一步算第 c 个；prefill 块已缓存 chunk[0] 个、
     这一步算 chunk[1] 个（算到提示词末尾，所以它也要采样）。返回 (池子, 请求, 每个请求这一步的 token 数)。
     池子的内容由固定种子决定：两种 attention 的池子装的是同样的数。"""
-    cached, L = chunk
-    lengths = decode_contexts + [cached + L]
+    computed, L = chunk                                  # prefill 块：已在池子里的 token 数，这一步算的数
+    lengths = decode_contexts + [computed + L]
     need = [-(-n // block_size) for n in lengths]
     cache = PagedKVCache(s.cfg, sum(need), block_size, s.device, s.dtype, attention)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -99,7 +99,7 @@ def mixed_step(s, decode_contexts: list[int], chunk: tuple[int, int], block_size
         seq = Sequence(i, Request(list(range(1, n + 1)), 4), torch.Generator(), 0.0)
         seq.block_table = list(range(first, first + need[i]))
         first += need[i]
-        seq.num_computed_tokens = n - 1 if i < len(decode_contexts) else cached
+        seq.num_computed_tokens = n - 1 if i < len(decode_contexts) else computed
         seqs.append(seq)
     return cache, seqs, [1] * len(decode_contexts) + [L]
 
@@ -121,7 +121,7 @@ def compare(s, decode_contexts: list[int], chunk: tuple[int, int], block_size: i
         return fwd, fwd.input_ids, model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)[0]  # (R, V)
 
     def padded():
-        fwd = cache._plan_segment(seqs, num_new)      # step05/06 的 plan：一个左填充的 (B, L) 批
+        fwd = plan_segment(cache, seqs, num_new)      # step05/06 的 plan：一个左填充的 (B, L) 批
         # 左填充：每行最后一列就是它这一步的最后一个 token；行顺序与 plan 的 logits_index 相同（decode 在前）
         return fwd, fwd.input_ids, model(fwd.input_ids, fwd.positions, fwd, last_only=True)[:, -1]            # (B, V)
 
