@@ -63,8 +63,8 @@ def stop_from_args(args) -> tuple[str, ...]:
     return stop
 
 
-def add_paged_args(p: Parser, default_kv_mib: int) -> None:
-    """step05 起每个 run.py 都有的分页与调度参数。"""
+def add_paged_args(p: Parser, default_kv_mib: int):
+    """step05 起每个 run.py 都有的分页与调度参数；返回这个参数组（run.py 往里加 --compile）。"""
     g = p.add_argument_group("分页与调度")
     g.add_argument("--block-size", type=positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
     g.add_argument("--num-blocks", type=positive_int, default=None,
@@ -72,23 +72,7 @@ def add_paged_args(p: Parser, default_kv_mib: int) -> None:
     g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
     g.add_argument("--attention", choices=("paged", "gather"), default="paged",
                    help="读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）")
-    add_compile_arg(g, "生成模式：decode 步用 torch.compile 按批大小桶各编译一张静态形状的图（common/compiled_decode.py）")
-
-
-def add_compile_arg(g, what: str) -> None:
-    """--compile [MODE]：step05 起的 run.py、step11 的服务器与它的基准共用（它们引用第 05 章的注意力内核，所以在这里才 import）。"""
-    from . import compiled_decode
-    g.add_argument("--compile", nargs="?", const=compiled_decode.DEFAULT_MODE, default=None,
-                   choices=compiled_decode.MODES, metavar="MODE",
-                   help=f"{what}；MODE 默认 {compiled_decode.DEFAULT_MODE}，可选 {' / '.join(compiled_decode.MODES)}"
-                        "（速度、编译时间与内存见 docs/appendix_performance.md）")
-
-
-def compile_if_asked(args, engine) -> None:
-    """--compile：把引擎的 decode 换成编译好的图（先把每个桶编译一遍，带进度条）。"""
-    if getattr(args, "compile", None):
-        from .compiled_decode import compile_engine
-        compile_engine(engine, mode=args.compile)
+    return g
 
 
 def add_prefix_cache_args(p: Parser) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
@@ -22,7 +23,7 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step06.DEFAULT_KV_MIB)
+    compiled_decode.add_compile_arg(cli.add_paged_args(p, step06.DEFAULT_KV_MIB))
     cli.add_prefix_cache_args(p)
     p.add_argument("--plot", default=None, help="章节模式：TTFT 随共享前缀长度的图存到这个路径（PNG）")
     return p
@@ -43,7 +44,7 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step06.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # --n K：每个提示词 K 个请求，结果按提示词排列（同一提示词的 K 个样本相邻）
     requests = [q for ids in prompt_ids

@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
@@ -23,7 +24,7 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step07.DEFAULT_KV_MIB)
+    compiled_decode.add_compile_arg(cli.add_paged_args(p, step07.DEFAULT_KV_MIB))
     cli.add_prefix_cache_args(p)
     cli.add_chunked_prefill_args(p, step07.DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--plot", default=None, help="章节模式：TTFT / TPOT 随预算变化的图存到这个路径（PNG）")
@@ -52,7 +53,7 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step07.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from common.config import ModelConfig  # noqa: E402
 from common.device import pick_device, pick_dtype  # noqa: E402
 from common.errors import UserError  # noqa: E402
@@ -35,7 +36,7 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step10.DEFAULT_KV_MIB)
+    compiled_decode.add_compile_arg(cli.add_paged_args(p, step10.DEFAULT_KV_MIB))
     cli.add_prefix_cache_args(p)
     cli.add_chunked_prefill_args(p, step10.DEFAULT_MAX_NUM_BATCHED_TOKENS)
     cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step10.PREEMPT_CHOICES)
@@ -105,7 +106,7 @@ def main(args) -> bool:
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
         s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
         engine = engine_for(args, s, num_blocks, parallel, cli.load_draft_model(args, s))
-        cli.compile_if_asked(args, engine)
+        compiled_decode.compile_if_asked(args, engine)
         outputs, st = engine.generate(requests)
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)

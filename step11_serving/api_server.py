@@ -341,7 +341,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
-    from common.cli import add_compile_arg
+    from perf.compiled_decode import add_compile_arg
     add_compile_arg(p, "decode 步用编译好的图（每个批大小桶一张，开始服务前先编译）；只用于一个进程（不和 --tp/--pp 一起）")
     return p
 
@@ -353,7 +353,8 @@ def check_compile_args(args) -> None:
 
 
 def main(argv=None) -> None:
-    from common.cli import compile_if_asked, open_session
+    from common.cli import open_session
+    from perf.compiled_decode import compile_if_asked
     from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
