@@ -14,14 +14,14 @@ from common import cli  # noqa: E402
 from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.engine import DEFAULT_KV_MIB, EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
+from step05_paged.engine import EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    compiled_decode.add_compile_arg(cli.add_paged_args(p, DEFAULT_KV_MIB))
+    compiled_decode.add_compile_arg(cli.add_config_args(p, EngineConfig)["分页与调度"])   # 引擎参数来自 EngineConfig
     p.add_argument("--plot", default=None, help="章节模式：decode 一步随上下文长度与批大小的图存到这个路径（PNG）")
     return p
 

@@ -23,8 +23,12 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    compiled_decode.add_compile_arg(cli.add_paged_args(p, step06.DEFAULT_KV_MIB))
-    cli.add_prefix_cache_args(p)
+    compiled_decode.add_compile_arg(cli.add_config_args(p, step06.EngineConfig)["分页与调度"])   # 引擎参数来自 EngineConfig
+    g = p.add_argument_group("前缀缓存")         # step06 的引擎总开着前缀缓存：关掉它就是换回 step05 的引擎
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="关掉前缀缓存：用 step05 的引擎（同样的输出、同样的前向次数）")
+    g.add_argument("--n", type=cli.positive_int, default=1,
+                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
     p.add_argument("--plot", default=None, help="章节模式：TTFT 随共享前缀长度的图存到这个路径（PNG）")
     return p
 
