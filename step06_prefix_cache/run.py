@@ -15,7 +15,6 @@ from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 
 
@@ -45,14 +44,14 @@ def main(args) -> bool:
     s = cli.load_session(args)
     if args.prompt is None:
         from step06_prefix_cache.chapter import Chapter
-        return Chapter(args, s).run()
+        return Chapter(args, s, engine_for).run()
     num_blocks = args.num_blocks or step06.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size)
     compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # --n K：每个提示词 K 个请求，结果按提示词排列（同一提示词的 K 个样本相邻）
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     outputs, st = engine.generate(requests)
     evictions = getattr(engine.block_manager, "num_evictions", 0)

@@ -20,7 +20,6 @@ from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa:
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step09_speculative import engine as step09  # noqa: E402
 
 
@@ -110,7 +109,7 @@ def main(args) -> bool:
     compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     outputs, st = engine.generate(requests)
     cli.print_generations(s, prompts, outputs)

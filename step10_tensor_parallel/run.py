@@ -26,7 +26,6 @@ from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa:
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
 from step10_tensor_parallel.distributed import forward_comm_seconds, launch, serve_worker  # noqa: E402
 from step10_tensor_parallel.parallel_layers import Shard, check_parallel, load_shard  # noqa: E402
@@ -139,7 +138,7 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]   # 坏输入在起进程之前报告
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:

@@ -28,3 +28,16 @@ def test_common_imports_no_step():
            if ABOVE_COMMON.match(pkg)]
     assert not bad, "common/ must not depend on a step or a layer above the steps:\n" + "\n".join(bad)
 
+
+
+def test_chapter_py_does_not_import_run_py():
+    """run.py 调用 chapter.py（章节模式）；反过来 chapter.py 要 run.py 的东西（engine_for）时由 run.py 传进去，
+    两个文件不互相 import。"""
+    bad = []
+    for p in sorted(ROOT.glob("step*/chapter.py")) + sorted(ROOT.glob("step*/analysis/*.py")):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{p.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if re.fullmatch(r"step\d\d_\w+\.run", n)]
+    assert not bad, "\n".join(bad)
