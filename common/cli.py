@@ -1,7 +1,9 @@
 """所有 run.py 共用的命令行、模型加载、错误处理与 JSON 输出（约定见 docs/00_overview.md 的"run.py 约定"）。"""
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,109 +65,45 @@ def stop_from_args(args) -> tuple[str, ...]:
     return stop
 
 
-def add_paged_args(p: Parser, default_kv_mib: int) -> None:
-    """step05 起每个 run.py 都有的分页与调度参数。"""
-    g = p.add_argument_group("分页与调度")
-    g.add_argument("--block-size", type=positive_int, default=16, help="每块多少个 token（默认 16，同 vLLM）")
-    g.add_argument("--num-blocks", type=positive_int, default=None,
-                   help=f"池子的块数；默认按 {default_kv_mib} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）")
-    g.add_argument("--max-batch-size", type=positive_int, default=8, help="运行集合最多几个请求（默认 8）")
-    g.add_argument("--attention", choices=("paged", "gather"), default="paged",
-                   help="读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）")
-    add_compile_arg(g, "生成模式：decode 步用 torch.compile 按批大小桶各编译一张静态形状的图（common/compiled_decode.py）")
+def config_fields(config_cls):
+    """配置 dataclass 的每个字段：(field, 类型（Optional[X] 取 X）, 默认值（没有默认值时 None）)。"""
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+        yield f, base, None if f.default is dataclasses.MISSING else f.default
 
 
-def add_compile_arg(g, what: str) -> None:
-    """--compile [MODE]：step05 起的 run.py、step11 的服务器与它的基准共用（它们引用第 05 章的注意力内核，所以在这里才 import）。"""
-    from . import compiled_decode
-    g.add_argument("--compile", nargs="?", const=compiled_decode.DEFAULT_MODE, default=None,
-                   choices=compiled_decode.MODES, metavar="MODE",
-                   help=f"{what}；MODE 默认 {compiled_decode.DEFAULT_MODE}，可选 {' / '.join(compiled_decode.MODES)}"
-                        "（速度、编译时间与内存见 docs/appendix_performance.md）")
+def add_config_args(p: Parser, config_cls) -> dict:
+    """把配置 dataclass 的字段加成命令行参数：step05 起每个 run.py 的引擎参数都从它自己的 EngineConfig 生成。
 
-
-def compile_if_asked(args, engine) -> None:
-    """--compile：把引擎的 decode 换成编译好的图（先把每个桶编译一遍，带进度条）。"""
-    if getattr(args, "compile", None):
-        from .compiled_decode import compile_engine
-        compile_engine(engine, mode=args.compile)
-
-
-def add_prefix_cache_args(p: Parser) -> None:
-    """step06 起：前缀缓存与并行采样。"""
-    g = p.add_argument_group("前缀缓存")
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="关掉前缀缓存（step06 里就是用 step05 的引擎：同样的输出、同样的前向次数）")
-    g.add_argument("--n", type=positive_int, default=1,
-                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
-
-
-def add_chunked_prefill_args(p: Parser, default_budget: int) -> None:
-    """step07 起：token 预算与分块 prefill。"""
-    g = p.add_argument_group("分块 prefill")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=default_budget,
-                   help=f"一次前向最多算多少个 token（decode 各 1 个，剩下的给 prefill 的块；默认 {default_budget}），"
-                        "不能小于 --max-batch-size")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="关掉分块 prefill：用 step06 的引擎（再加 --no-prefix-cache 就是 step05 的）")
-
-
-def check_chunked_prefill_args(args) -> None:
-    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token。"""
-    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-                        f"--max-batch-size ({args.max_batch_size})")
-
-
-def add_kv_quant_args(p: Parser, kv_dtypes, preempt_modes) -> None:
-    """step08 起：KV 池子的存法与抢占方式。"""
-    g = p.add_argument_group("KV 量化与换出")
-    g.add_argument("--kv-dtype", choices=kv_dtypes, default=None,
-                   help="KV 池子的存法（默认：模型的 dtype，精确）；int8 / fp8 每个 (token, 头) 一个 scale")
-    g.add_argument("--preempt", choices=preempt_modes, default="recompute",
-                   help="池子满了怎么让出块：recompute（扔掉 KV、之后重算）或 swap（换出到 CPU 内存、之后换回）")
-
-
-def check_kv_quant_args(args) -> None:
-    """--no-chunked-prefill 用的是 step06 的引擎：那里没有量化的池子，也没有换出。"""
-    if args.no_chunked_prefill and (args.preempt == "swap" or args.kv_dtype is not None):
-        raise UserError("--kv-dtype and --preempt swap need step08's engine (drop --no-chunked-prefill)")
-
-
-def add_speculative_args(p: Parser, methods, num_spec_tokens: int, ngram_min: int, ngram_max: int) -> None:
-    """step09 起：投机解码（默认值取自那一步的 EngineConfig）。"""
-    g = p.add_argument_group("投机解码")
-    g.add_argument("--spec-method", choices=methods, default=None,
-                   help="谁来猜：ngram（prompt lookup，默认）、draft（草稿模型）、none（不猜 = step08）")
-    g.add_argument("--num-spec-tokens", type=positive_int, default=num_spec_tokens, help="每步每个请求至多猜几个 token")
-    g.add_argument("--ngram-min", type=positive_int, default=ngram_min, help="prompt lookup 匹配的最短 n-gram")
-    g.add_argument("--ngram-max", type=positive_int, default=ngram_max, help="prompt lookup 先试的最长 n-gram")
-    g.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
-
-
-def spec_method(args) -> str:
-    """没给 --spec-method：有 --draft-model 就是 draft，--no-chunked-prefill（step06 的引擎）时不猜，否则 ngram。"""
-    if args.spec_method is not None:
-        return args.spec_method
-    return "draft" if args.draft_model else "none" if args.no_chunked_prefill else "ngram"
-
-
-def check_speculative_args(args) -> None:
-    method = spec_method(args)
-    if args.no_chunked_prefill and method != "none":
-        raise UserError("speculative decoding needs step09's engine (drop --no-chunked-prefill or use --spec-method none)")
-    if args.ngram_min > args.ngram_max:
-        raise UserError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
-    if method == "draft" and not args.draft_model:
-        raise UserError("--spec-method draft needs --draft-model DIR")
-    if args.draft_model and method != "draft":
-        raise UserError(f"--draft-model is only used with --spec-method draft (got {method})")
-
-
-def load_draft_model(args, s: "Session"):
-    """--draft-model：与目标同一设备、同一 dtype 加载（目录不对时一行 error）；不用草稿模型时 None。"""
-    return open_session(args.draft_model, s.device, s.dtype_name).model if spec_method(args) == "draft" else None
+    字段名 → --flag（num_blocks → --num-blocks），默认值取自字段（没有默认值的字段命令行默认 None，由 run.py 换算），
+    int 字段用 positive_int。字段的 metadata 决定其余：
+      help     说明；没有 help 的字段不上命令行（只给测试、基准调的旋钮）
+      group    参数组的标题（同一标题的字段进同一组）
+      choices  可选值
+      flag     另一个名字：默认 True 的 bool 字段写成 "--no-X"，命令行上是开关（args.no_x = True 表示关掉）
+    返回 {组标题: 参数组}：run.py 把它自己的开关（--no-X 换回前一步的引擎……）加进对应的组。"""
+    groups = {}
+    for f, base, default in config_fields(config_cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        title = meta.get("group")
+        if title not in groups:
+            groups[title] = p.add_argument_group(title) if title else p
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if base is bool:
+            if default != flag.startswith("--no-"):
+                raise TypeError(f"{config_cls.__name__}.{f.name}: a bool flag is off by default "
+                                "(default False as --x, or default True as --no-x)")
+            groups[title].add_argument(flag, action="store_true", help=meta["help"])
+        else:
+            kw = {"choices": meta["choices"]} if "choices" in meta else {}
+            groups[title].add_argument(flag, type=positive_int if base is int else base, default=default,
+                                       help=meta["help"], **kw)
+    return groups
 
 
 @dataclass

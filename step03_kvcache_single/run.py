@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common import cli, llamacpp  # noqa: E402
+from common import cli  # noqa: E402
+from perf import llamacpp  # noqa: E402
 from common.bench import (Roofline, machine, median_time, memory_bandwidth, profile_steps, stamps_of, table,  # noqa: E402
                           weight_bytes_per_step)
 from common.compare import MARGIN_TOL, compare  # noqa: E402

@@ -5,7 +5,7 @@ step05 起的引擎沿用同一个 Request（什么时候到达不是请求的�
 Sequence 是批里的一行（vLLM / nano-vllm 也叫 Sequence）：已生成的 token、是否已结束、它自己的随机数发生器、
 首 token 与结束的时刻。step05 起每个引擎有自己的 Sequence（再加上分页的状态：块表、已进池子的 token 数……）。
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -34,6 +34,13 @@ class Request:
         if any(not s for s in self.stop):
             raise UserError("stop strings must not be empty")
         self.params.validate()
+
+    def parallel_samples(self, n: int) -> list["Request"]:
+        """同一个提示词的 n 个样本（step06 起 run.py 的 --n、step11 的 n）：种子 S, S+1, ..., S+n-1
+        （没给种子时各自随机）。它们是 n 个独立的请求，共享提示词的整块是前缀缓存自己发现的
+        （vLLM V1 的并行采样也是这样做的）。"""
+        seed = self.params.seed
+        return [replace(self, params=replace(self.params, seed=None if seed is None else seed + k)) for k in range(n)]
 
 
 @dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两行（`in`、list.remove 按身份比较）

@@ -11,16 +11,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.engine import DEFAULT_KV_MIB, EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
+from step05_paged.engine import EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, DEFAULT_KV_MIB)
+    compiled_decode.add_compile_arg(cli.add_config_args(p, EngineConfig)["分页与调度"])   # 引擎参数来自 EngineConfig
     p.add_argument("--plot", default=None, help="章节模式：decode 一步随上下文长度与批大小的图存到这个路径（PNG）")
     return p
 
@@ -33,7 +34,7 @@ def main(args) -> bool:
         return chapter(args, s)
     num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = LLMEngine(s.model, EngineConfig(num_blocks, args.block_size, args.max_batch_size, attention=args.attention), s.tok, s.tok.eos_ids)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     # 先编码、检查全部提示词（包括"池子放不放得下"），任何一个有错都在开始生成前报告
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     outputs, st = engine.generate([Request(ids, args.max_new_tokens, params, args.ignore_eos, stop) for ids in prompt_ids])

@@ -21,7 +21,6 @@ from step06_prefix_cache.analysis.workload import (SYSTEM_PROMPT, conversations,
                                                    shared_prefix_workload, small_pool_workload)
 from step06_prefix_cache.engine import EngineConfig, LLMEngine, blocks_needed, num_blocks_for_budget
 from step06_prefix_cache.radix_tree import RadixTree
-from step06_prefix_cache.run import engine_for
 from step06_prefix_cache.sequence import Sequence
 
 STEP = "step06_prefix_cache"
@@ -60,8 +59,9 @@ HEADERS = ["引擎", "prefill 算的 token", "命中率", "前向次数", "总�
 
 
 class Chapter:
-    def __init__(self, args, s: cli.Session):
-        self.args, self.s = args, s
+    def __init__(self, args, s: cli.Session, engine_for):
+        """engine_for：run.py 按命令行选引擎的那个函数（--no-prefix-cache → step05 的），(c) 检查它选对了。"""
+        self.args, self.s, self.engine_for = args, s, engine_for
         self.tol, self.eos, self.bs = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size
         self.default_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, self.bs, s.dtype)
         self.checks, self.figures = Checks(), {}
@@ -264,7 +264,7 @@ class Chapter:
         self.checks["parallel_samples_share_prompt_blocks"] = bool(pairs) and all(
             st6.cached_tokens[j] == block_aligned(len(reqs[j].prompt_ids), len(reqs[j].prompt_ids), bs) for j in pairs)
         # --no-prefix-cache：run.py 按这个参数选引擎（应当是 step05 的）；它若选错了，命中的 token 和前向次数都会不同
-        no_cache = engine_for(cli.override(self.args, no_prefix_cache=True), s, blocks, B)
+        no_cache = self.engine_for(cli.override(self.args, no_prefix_cache=True), s, blocks, B)
         self.engines.append(no_cache)
         on, stn = no_cache.generate(reqs)
         self.checks["no_prefix_cache_equals_step05"] = on == o5 and stn.num_forwards == st5.num_forwards and not any(stn.cached_tokens)

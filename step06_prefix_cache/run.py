@@ -11,10 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 
 
@@ -22,8 +22,12 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step06.DEFAULT_KV_MIB)
-    cli.add_prefix_cache_args(p)
+    compiled_decode.add_compile_arg(cli.add_config_args(p, step06.EngineConfig)["分页与调度"])   # 引擎参数来自 EngineConfig
+    g = p.add_argument_group("前缀缓存")         # step06 的引擎总开着前缀缓存：关掉它就是换回 step05 的引擎
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="关掉前缀缓存：用 step05 的引擎（同样的输出、同样的前向次数）")
+    g.add_argument("--n", type=cli.positive_int, default=1,
+                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
     p.add_argument("--plot", default=None, help="章节模式：TTFT 随共享前缀长度的图存到这个路径（PNG）")
     return p
 
@@ -40,14 +44,14 @@ def main(args) -> bool:
     s = cli.load_session(args)
     if args.prompt is None:
         from step06_prefix_cache.chapter import Chapter
-        return Chapter(args, s).run()
+        return Chapter(args, s, engine_for).run()
     num_blocks = args.num_blocks or step06.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     # --n K：每个提示词 K 个请求，结果按提示词排列（同一提示词的 K 个样本相邻）
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     outputs, st = engine.generate(requests)
     evictions = getattr(engine.block_manager, "num_evictions", 0)

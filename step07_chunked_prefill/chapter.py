@@ -25,7 +25,6 @@ from step07_chunked_prefill.analysis.varlen_bench import (DENSE, FLAT, PADDED, P
 from step07_chunked_prefill.analysis.workload import (arrival_workload, check_workload, is_long,
                                                       mid_prefill_preemption_workload)
 from step07_chunked_prefill.engine import num_blocks_for_budget
-from step07_chunked_prefill.run import engine_for
 from step07_chunked_prefill.sequence import SequenceStatus
 
 STEP = "step07_chunked_prefill"
@@ -56,8 +55,9 @@ class ChunkLedger:
 
 
 class Chapter:
-    def __init__(self, args, s: cli.Session):
-        self.args, self.s = args, s
+    def __init__(self, args, s: cli.Session, engine_for):
+        """engine_for：run.py 按命令行选引擎的那个函数（--no-chunked-prefill → step06 的），self.engine 用它。"""
+        self.args, self.s, self.engine_for = args, s, engine_for
         self.tol, self.eos, self.bs, self.B = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size, args.max_batch_size
         self.budget = args.max_num_batched_tokens
         self.num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, self.bs, s.dtype)
@@ -67,7 +67,8 @@ class Chapter:
     def engine(self, budget=None, num_blocks=None, max_batch_size=None, clock=None, no_chunked_prefill=False):
         """run.py 的 engine_for：no_chunked_prefill=True 时是 --no-chunked-prefill 选的引擎（应当是 step06 的）。"""
         args = cli.override(self.args, no_chunked_prefill=no_chunked_prefill)
-        e = engine_for(args, self.s, num_blocks or self.num_blocks, max_batch_size or self.B, budget or self.budget, clock)
+        e = self.engine_for(args, self.s, num_blocks or self.num_blocks, max_batch_size or self.B, budget or self.budget,
+                            clock)
         self.engines.append(e)
         return e
 

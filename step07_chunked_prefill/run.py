@@ -11,11 +11,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step07_chunked_prefill import engine as step07  # noqa: E402
 
 
@@ -23,12 +24,21 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step07.DEFAULT_KV_MIB)
-    cli.add_prefix_cache_args(p)
-    cli.add_chunked_prefill_args(p, step07.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    groups = cli.add_config_args(p, step07.EngineConfig)   # 引擎参数来自 EngineConfig；下面是 run.py 自己的开关
+    compiled_decode.add_compile_arg(groups["分页与调度"])
+    groups["前缀缓存"].add_argument("--n", type=cli.positive_int, default=1,
+                                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
+    groups["分块 prefill"].add_argument("--no-chunked-prefill", action="store_true",
+                                       help="关掉分块 prefill：用 step06 的引擎（再加 --no-prefix-cache 就是 step05 的）")
     p.add_argument("--plot", default=None, help="章节模式：TTFT / TPOT 随预算变化的图存到这个路径（PNG）")
     p.add_argument("--plot-timeline", default=None, help="章节模式：step06 / step07 每个请求出 token 的时间线图（PNG）")
     return p
+
+def check_budget(args) -> None:
+    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token（引擎的 EngineConfig.validate 也查同一条）。"""
+    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                        f"--max-batch-size ({args.max_batch_size})")
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None):
@@ -45,17 +55,17 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
 
 def main(args) -> bool:
     params, stop = params_from_args(args), cli.stop_from_args(args)
-    cli.check_chunked_prefill_args(args)
+    check_budget(args)
     s = cli.load_session(args)
     if args.prompt is None:
         from step07_chunked_prefill.chapter import Chapter
-        return Chapter(args, s).run()
+        return Chapter(args, s, engine_for).run()
     num_blocks = args.num_blocks or step07.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     outputs, st = engine.generate(requests)
     cli.print_generations(s, prompts, outputs)

@@ -12,30 +12,45 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step08_kv_quant import engine as step08  # noqa: E402
-from step08_kv_quant.quant import KV_DTYPE_CHOICES  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step08.DEFAULT_KV_MIB)
-    cli.add_prefix_cache_args(p)
-    cli.add_chunked_prefill_args(p, step08.DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step08.PREEMPT_CHOICES)
+    groups = cli.add_config_args(p, step08.EngineConfig)   # 引擎参数来自 EngineConfig；下面是 run.py 自己的开关
+    compiled_decode.add_compile_arg(groups["分页与调度"])
+    groups["前缀缓存"].add_argument("--n", type=cli.positive_int, default=1,
+                                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
+    groups["分块 prefill"].add_argument("--no-chunked-prefill", action="store_true",
+                                       help="关掉分块 prefill：用 step06 的引擎（再加 --no-prefix-cache 就是 step05 的）")
     return p
+
+
+def check_budget(args) -> None:
+    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token（引擎的 EngineConfig.validate 也查同一条）。"""
+    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                        f"--max-batch-size ({args.max_batch_size})")
+
+
+def check_kv_quant(args) -> None:
+    """--no-chunked-prefill 用的是 step06 的引擎：那里没有量化的池子，也没有换出。"""
+    if args.no_chunked_prefill and (args.preempt == "swap" or args.kv_dtype is not None):
+        raise UserError("--kv-dtype and --preempt swap need step08's engine (drop --no-chunked-prefill)")
 
 
 def check_args(args) -> None:
     """加载模型之前就报错。"""
-    cli.check_chunked_prefill_args(args)
-    cli.check_kv_quant_args(args)
+    check_budget(args)
+    check_kv_quant(args)
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None):
@@ -59,10 +74,10 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step08.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
-    cli.compile_if_asked(args, engine)
+    compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     outputs, st = engine.generate(requests)
     cli.print_generations(s, prompts, outputs)

@@ -18,7 +18,7 @@ scheduler.py），plan 给出这 1 + k 个位置各自的 logits（kv_cache.py�
 贪心时猜不猜输出都逐 token 相同，抽样时分布相同。接受率一直很低的请求暂停猜测一阵（SPEC_WINDOW 等常数）。
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -32,7 +32,7 @@ from step04_static_batching.request import Request
 from .block_manager import BlockManager
 from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
-from .quant import kv_format
+from .quant import KV_DTYPE_CHOICES, kv_format
 from .rejection_sampler import verify
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
@@ -52,19 +52,37 @@ SPEC_PAUSE_STEPS = 16
 
 @dataclass
 class EngineConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_batch_size: int = 8          # 运行集合最多几个请求
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # 一次前向的 token 预算（vLLM 的同名参数）
-    enable_prefix_caching: bool = True
-    kv_dtype: Optional[str] = None   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
-    preempt: str = "recompute"       # "swap"：抢占时换出到第二层
+    # 带 help 的字段是 run.py 的命令行参数（common/cli.py 的 add_config_args 按 metadata 生成）
+    num_blocks: int = field(metadata={
+        "group": "分页与调度",
+        "help": f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）"})
+    block_size: int = field(default=16, metadata={"group": "分页与调度", "help": "每块多少个 token（默认 16，同 vLLM）"})
+    max_batch_size: int = field(default=8, metadata={"group": "分页与调度", "help": "运行集合最多几个请求（默认 8）"})
+    max_num_batched_tokens: int = field(   # 一次前向的 token 预算（vLLM 的同名参数）
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        metadata={"group": "分块 prefill", "help": "一次前向最多算多少个 token（decode 各 1 个，剩下的给 prefill 的块；"
+                                                   f"默认 {DEFAULT_MAX_NUM_BATCHED_TOKENS}），不能小于 --max-batch-size"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "group": "前缀缓存", "flag": "--no-prefix-cache",
+        "help": "关掉前缀缓存（同样的输出；再加 --no-chunked-prefill 就是 step05 的引擎：同样的前向次数）"})
+    kv_dtype: Optional[str] = field(   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
+        default=None, metadata={"group": "KV 量化与换出", "choices": KV_DTYPE_CHOICES,
+                                "help": "KV 池子的存法（默认：模型的 dtype，精确）；int8 / fp8 每个 (token, 头) 一个 scale"})
+    preempt: str = field(default="recompute", metadata={   # "swap"：抢占时换出到第二层
+        "group": "KV 量化与换出", "choices": PREEMPT_CHOICES,
+        "help": "池子满了怎么让出块：recompute（扔掉 KV、之后重算）或 swap（换出到 CPU 内存、之后换回）"})
     swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
-    attention: str = "paged"         # 读池子的注意力："paged" 按块表直接读（不拷贝），"gather" 先拷成连续的（参考）
-    spec_method: str = "none"        # "ngram"：prompt lookup；"draft"：草稿模型（LLMEngine 的 draft_model）
-    num_spec_tokens: int = 4         # 每步每个请求至多猜几个（vLLM 的 num_speculative_tokens）
-    ngram_min: int = 2               # prompt lookup 的 n-gram 长度范围（vLLM 的 prompt_lookup_min / max）
-    ngram_max: int = 4
+    attention: str = field(default="paged", metadata={   # 读池子的注意力
+        "group": "分页与调度", "choices": ATTENTION_CHOICES,
+        "help": "读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）"})
+    spec_method: str = field(default="none", metadata={   # LLMEngine 的 draft_model 是草稿模型
+        "group": "投机解码", "choices": SPEC_METHODS,
+        "help": "谁来猜：ngram（prompt lookup，run.py 的默认）、draft（草稿模型）、none（不猜 = step08，EngineConfig 的默认）"})
+    num_spec_tokens: int = field(default=4, metadata={   # vLLM 的 num_speculative_tokens
+        "group": "投机解码", "help": "每步每个请求至多猜几个 token"})
+    ngram_min: int = field(default=2, metadata={   # n-gram 长度范围：vLLM 的 prompt_lookup_min / max
+        "group": "投机解码", "help": "prompt lookup 匹配的最短 n-gram"})
+    ngram_max: int = field(default=4, metadata={"group": "投机解码", "help": "prompt lookup 先试的最长 n-gram"})
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):

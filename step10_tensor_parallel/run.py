@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from common.config import ModelConfig  # noqa: E402
 from common.device import pick_device, pick_dtype  # noqa: E402
 from common.errors import UserError  # noqa: E402
@@ -25,9 +26,7 @@ from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa:
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
-from step06_prefix_cache.analysis.workload import parallel_samples  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
-from step10_tensor_parallel.quant import KV_DTYPE_CHOICES  # noqa: E402
 from step10_tensor_parallel.distributed import Layout, forward_comm_seconds  # noqa: E402
 from step10_tensor_parallel.launch import launch  # noqa: E402
 from step10_tensor_parallel.model_runner import serve_worker  # noqa: E402
@@ -37,22 +36,62 @@ def make_parser() -> cli.Parser:
     p = cli.make_parser(__doc__.splitlines()[0])
     add_sampling_args(p)
     cli.add_stop_arg(p)
-    cli.add_paged_args(p, step10.DEFAULT_KV_MIB)
-    cli.add_prefix_cache_args(p)
-    cli.add_chunked_prefill_args(p, step10.DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    cli.add_kv_quant_args(p, KV_DTYPE_CHOICES, step10.PREEMPT_CHOICES)
-    cli.add_speculative_args(p, step10.SPEC_METHODS, step10.EngineConfig.num_spec_tokens, step10.EngineConfig.ngram_min,
-                             step10.EngineConfig.ngram_max)
+    groups = cli.add_config_args(p, step10.EngineConfig)   # 引擎参数来自 EngineConfig；下面是 run.py 自己的开关
+    compiled_decode.add_compile_arg(groups["分页与调度"])
+    groups["前缀缓存"].add_argument("--n", type=cli.positive_int, default=1,
+                                   help="每个提示词采 K 个样本（种子 S, S+1, ..., S+K-1），共享提示词的整块")
+    groups["分块 prefill"].add_argument("--no-chunked-prefill", action="store_true",
+                                       help="关掉分块 prefill：用 step06 的引擎（再加 --no-prefix-cache 就是 step05 的）")
+    p.set_defaults(spec_method=None)             # 没给时由 spec_method(args) 按 --draft-model 定
+    groups["投机解码"].add_argument("--draft-model", default=None, metavar="DIR",
+                                   help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
     g = p.add_argument_group("并行")
     g.add_argument("--tp", type=cli.positive_int, default=1, help="张量并行：一个 stage 里几个进程分每一层（要整除头数）")
     g.add_argument("--pp", type=cli.positive_int, default=1, help="流水线并行：层分成几个 stage")
     return p
 
 
+def check_budget(args) -> None:
+    """加载模型之前就报错：预算至少要放得下每个 decode 的一个 token（引擎的 EngineConfig.validate 也查同一条）。"""
+    if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                        f"--max-batch-size ({args.max_batch_size})")
+
+
+def check_kv_quant(args) -> None:
+    """--no-chunked-prefill 用的是 step06 的引擎：那里没有量化的池子，也没有换出。"""
+    if args.no_chunked_prefill and (args.preempt == "swap" or args.kv_dtype is not None):
+        raise UserError("--kv-dtype and --preempt swap need step08's engine (drop --no-chunked-prefill)")
+
+
+def spec_method(args) -> str:
+    """没给 --spec-method：有 --draft-model 就是 draft，--no-chunked-prefill（step06 的引擎）时不猜，否则 ngram。"""
+    if args.spec_method is not None:
+        return args.spec_method
+    return "draft" if args.draft_model else "none" if args.no_chunked_prefill else "ngram"
+
+
+def check_speculative(args) -> None:
+    method = spec_method(args)
+    if args.no_chunked_prefill and method != "none":
+        raise UserError("speculative decoding needs step09's engine (drop --no-chunked-prefill or use --spec-method none)")
+    if args.ngram_min > args.ngram_max:
+        raise UserError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
+    if method == "draft" and not args.draft_model:
+        raise UserError("--spec-method draft needs --draft-model DIR")
+    if args.draft_model and method != "draft":
+        raise UserError(f"--draft-model is only used with --spec-method draft (got {method})")
+
+
+def load_draft_model(args, s: cli.Session):
+    """--draft-model：与目标同一设备、同一 dtype 加载（目录不对时一行 error）；不用草稿模型时 None。"""
+    return cli.open_session(args.draft_model, s.device, s.dtype_name).model if spec_method(args) == "draft" else None
+
+
 def check_args(args) -> None:
-    cli.check_chunked_prefill_args(args)
-    cli.check_kv_quant_args(args)
-    cli.check_speculative_args(args)
+    check_budget(args)
+    check_kv_quant(args)
+    check_speculative(args)
     if args.tp * args.pp > 1 and args.no_chunked_prefill:
         raise UserError("--no-chunked-prefill runs step06's engine in one process: drop --tp/--pp")
     if args.tp * args.pp > 1 and args.device == "cuda":
@@ -78,7 +117,7 @@ def engine_for(args, s: cli.Session, num_blocks: int, parallel, draft_model=None
         return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids)
     config = step10.EngineConfig(num_blocks, args.block_size, args.max_batch_size, args.max_num_batched_tokens,
                                  not args.no_prefix_cache, attention=args.attention, kv_dtype=args.kv_dtype,
-                                 preempt=args.preempt, spec_method=cli.spec_method(args),
+                                 preempt=args.preempt, spec_method=spec_method(args),
                                  num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min,
                                  ngram_max=args.ngram_max)
     return step10.LLMEngine(s.model, config, s.tok, s.tok.eos_ids, draft_model=draft_model,
@@ -102,13 +141,13 @@ def main(args) -> bool:
         return Chapter(args, s).run()
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]   # 坏输入在起进程之前报告
     requests = [q for ids in prompt_ids
-                for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
+                for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
     with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
         s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
-        engine = engine_for(args, s, num_blocks, parallel, cli.load_draft_model(args, s))
-        cli.compile_if_asked(args, engine)
+        engine = engine_for(args, s, num_blocks, parallel, load_draft_model(args, s))
+        compiled_decode.compile_if_asked(args, engine)
         outputs, st = engine.generate(requests)
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)

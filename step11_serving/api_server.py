@@ -351,7 +351,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
     p.add_argument("--stall-timeout", type=float, default=STALL_S,
                    help="引擎的一步超过这么多秒还没完成，/health 就回 503（让 supervisor 重启卡住的进程）")
-    from common.cli import add_compile_arg
+    from perf.compiled_decode import add_compile_arg
     add_compile_arg(p, "decode 步用编译好的图（每个批大小桶一张，开始服务前先编译）；只用于一个进程（不和 --tp/--pp 一起）")
     return p
 
@@ -363,7 +363,8 @@ def refuse_compile_with_parallel(args) -> None:
 
 
 def main(argv=None) -> None:
-    from common.cli import compile_if_asked, open_session
+    from common.cli import open_session
+    from perf.compiled_decode import compile_if_asked
     from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)

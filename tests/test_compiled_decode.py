@@ -1,4 +1,4 @@
-"""编译的 decode（common/compiled_decode.py）：每个批大小桶一张图，补齐的行不改变任何真实请求的输出。
+"""编译的 decode（perf/compiled_decode.py）：每个批大小桶一张图，补齐的行不改变任何真实请求的输出。
 
 全部测试共用一个 CompiledDecodeModel（桶 1、2、4；同一个随机小模型、同样形状的池子），每个桶只编译一次。
 编译用真正的 inductor：第一次（磁盘缓存是空的）要为每个桶编十来个 C++ 内核，之后的运行从
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from common import compiled_decode as cd
 from common.clock import VirtualClock
 from common.compare import MARGIN_TOL, compare
 from common.harness import Arrival, pool_is_free, replay
 from conftest import cli_error, make_tiny_model_dir
 from common.weights import load_model
+from perf import compiled_decode as cd
 from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step05_paged import engine as step05

@@ -125,7 +125,7 @@ def test_llama_permute_inverts_transformers_gguf_loader():
     """写 F32 GGUF 时对 q/k 行的重排，正好是 transformers 读 GGUF 时那次重排的逆：往返一次回到原矩阵。"""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    from common.llamacpp import llama_permute
+    from perf.llamacpp import llama_permute
     w = np.arange(6 * 16 * 4, dtype=np.float32).reshape(6 * 16, 4)   # 6 个头，D = 16
     for n_head in (6, 2):
         back = LlamaTensorProcessor()._reverse_permute_weights(llama_permute(w, n_head), n_head, n_head)
@@ -141,7 +141,8 @@ def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
     import json
 
     from bench import decode_speed
-    from common import cli, llamacpp
+    from common import cli
+    from perf import llamacpp
     monkeypatch.setitem(sys.modules, "llama_cpp", None)            # 之后 import llama_cpp 抛 ImportError
     monkeypatch.setattr(llamacpp, "server_binary", lambda: None)
     assert not llamacpp.available() and llamacpp.backend() is None
@@ -168,7 +169,7 @@ def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
 def test_llama_server_backend_drives_completion_and_reads_tokens_and_timings(monkeypatch, tmp_path):
     """LlamaServer 的请求体与对返回的解读（不启动真的服务器：替换掉进程和 HTTP 这两层）：token id 作 prompt、
     贪心、ignore_eos、return_tokens、不复用 KV；每个 decode 步 = predicted_ms / (predicted_n − 1)。"""
-    from common import llamacpp
+    from perf import llamacpp
     sent = {}
 
     def post(self, route, body):

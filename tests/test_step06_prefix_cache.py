@@ -20,7 +20,6 @@ from step03_kvcache_single.engine import generate as generate_single
 from step04_static_batching.request import Request
 from step05_paged import engine as step05
 from step06_prefix_cache import run as step06_run
-from step06_prefix_cache.analysis.workload import parallel_samples
 from step06_prefix_cache.block_manager import BlockManager, chain_hash
 from step06_prefix_cache.engine import EngineConfig, LLMEngine
 from step06_prefix_cache.radix_tree import RadixTree
@@ -370,7 +369,7 @@ def test_forced_hash_collisions_change_hits_not_outputs(tiny):
 def test_parallel_samples_share_prompt_blocks(tiny):
     """--n 3：三个样本（种子 7、8、9）与分别单独生成相同；第 2、3 个样本命中提示词的全部整块（最后一个 token 要算）。"""
     r = Request(list(range(20, 33)), 10, SamplingParams(temperature=1.0, seed=7), ignore_eos=True)
-    samples = parallel_samples(r, 3)
+    samples = r.parallel_samples(3)
     assert [q.params.seed for q in samples] == [7, 8, 9]
     engine = engine06(tiny.model, 20, 4, 3)
     outputs, st = engine.generate(samples)
@@ -426,7 +425,7 @@ def test_soak_shared_prefixes_tiny_pool_equals_step03(tiny):
             if rng.random() < 0.4 else SamplingParams()
         r = Request(rng.choice(prefixes) + [rng.randrange(2, 256) for _ in range(rng.randint(0, 8))],
                     rng.randint(1, 16), params, ignore_eos=rng.random() < 0.5)
-        requests += parallel_samples(r, 2) if i % 10 == 0 else [r]
+        requests += r.parallel_samples(2) if i % 10 == 0 else [r]
     engine = engine06(tiny.model, 14, 4, 12, eos_ids=[1])      # 最大的请求要 11 块
     outputs, st = engine.generate(requests)
     assert st.preemptions > 0 and engine.block_manager.num_evictions > 0 and sum(st.cached_tokens) > 0
@@ -572,8 +571,8 @@ def test_run_py_no_prefix_cache_is_step05(tiny_tok_dir, capsys):
             "--block-size", "4", "--num-blocks", "30", "--max-batch-size", "4"]
     out = run_cli(argv + ["--no-prefix-cache"], capsys)
     s = cli.open_session(str(tiny_tok_dir), "cpu", "float32")
-    requests = [q for p in prompts for q in parallel_samples(
-        Request(s.encode(p, chat=True), 6, SamplingParams(temperature=0.8, seed=3), ignore_eos=True), 2)]
+    requests = [q for p in prompts for q in Request(
+        s.encode(p, chat=True), 6, SamplingParams(temperature=0.8, seed=3), ignore_eos=True).parallel_samples(2)]
     ref5, st5 = step05.LLMEngine(s.model, step05.EngineConfig(30, 4, 4)).generate(requests)
     _, st6 = LLMEngine(s.model, EngineConfig(30, 4, 4)).generate(requests)
     # 这组请求分得出两个引擎：step06 命中、少算 prefill；step05 在 30 块里要抢占，step06 共享块、不用抢占

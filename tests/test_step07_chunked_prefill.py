@@ -27,7 +27,6 @@ from step04_static_batching.request import Request
 from step05_paged import engine as step05
 from step05_paged.kv_cache import PagedKVCache as Step05Cache
 from step06_prefix_cache import engine as step06
-from step06_prefix_cache.analysis.workload import parallel_samples
 from step07_chunked_prefill import run as step07_run
 from step07_chunked_prefill.analysis.varlen_bench import FLAT, compare as compare_varlen
 from step07_chunked_prefill.engine import EngineConfig, LLMEngine, blocks_needed
@@ -477,7 +476,7 @@ def test_run_py_no_chunked_prefill_runs_the_previous_steps_engine(tiny_tok_dir, 
             "--no-chunked-prefill", "--json"] + (["--no-prefix-cache"] if no_prefix_cache else [])
     out = run_json(argv, capsys)
     ids = [out["results"][0]["prompt_ids"], out["results"][2]["prompt_ids"]]
-    reqs = [q for p in ids for q in parallel_samples(Request(p, 5, SamplingParams(temperature=0.8, seed=3), True), 2)]
+    reqs = [q for p in ids for q in Request(p, 5, SamplingParams(temperature=0.8, seed=3), True).parallel_samples(2)]
     assert [x["prompt_ids"] for x in out["results"]] == [r.prompt_ids for r in reqs]
     prev = step05 if no_prefix_cache else step06
     ref, st = prev.LLMEngine(model, prev.EngineConfig(64, 4, 4), eos_ids=()).generate(reqs)

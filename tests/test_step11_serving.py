@@ -575,10 +575,10 @@ def test_step10_tensor_parallel_engine_is_served(tiny_tok_dir):
 def test_compiled_engine_is_served_and_equals_eager(tiny_session):
     """--compile：服务器的引擎换成编译好的 decode（批上限 1：一个桶、一张图），step() 在服务器的引擎线程里调用它；
     流式 == 非流式 == eager 引擎直接生成（贪心与带种子的采样）。"""
-    from common.cli import compile_if_asked
+    from perf.compiled_decode import compile_if_asked
     engine = real_engine("step10", tiny_session, "--max-batch-size", "1")
     compile_if_asked(argparse.Namespace(compile="default", tp=1, pp=1), engine)
-    from common.compiled_decode import CompiledDecodeModel
+    from perf.compiled_decode import CompiledDecodeModel
     assert isinstance(engine.model, CompiledDecodeModel)
     server = Served(engine, tiny_session.tok)
     try:

@@ -4,7 +4,7 @@
 (b) 多轮对话：几段对话、每段几轮；每一轮把整段历史（含前几轮模型回复的 token id）按对话模板重新发一遍；
 (c) 小池子：几段共享的文档前缀 × 不同的问题，一部分请求做并行采样（n 个样本），池子小到必然驱逐与抢占。
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from common.prompts import LONG_PROMPT
 from step02_sampling.sampler import SamplingParams
@@ -139,14 +139,8 @@ def small_pool_workload(tok, quick: bool, n_samples: int = 2, base_seed: int = 2
             if q == 0:
                 sampled = Request(ids, max_new + 8 * d, SamplingParams(temperature=0.8, top_p=0.95, seed=base_seed + 10 * d),
                                   ignore_eos=True)
-                requests += parallel_samples(sampled, n_samples)
+                requests += sampled.parallel_samples(n_samples)
             else:
                 requests.append(Request(ids, max_new + 8 * q, ignore_eos=True))
     return requests
 
-
-def parallel_samples(r: Request, n: int) -> list[Request]:
-    """同一个提示词的 n 个样本：种子 S, S+1, ..., S+n-1（没给种子时各自随机）。它们是 n 个独立的请求，
-    共享提示词的整块是前缀缓存自己发现的（vLLM V1 的并行采样也是这样做的）。"""
-    seed = r.params.seed
-    return [replace(r, params=replace(r.params, seed=None if seed is None else seed + k)) for k in range(n)]

@@ -44,10 +44,9 @@ from typing import Optional
 import torch
 from torch._dynamo.utils import counters
 
+from common.errors import UserError
+from common.prepare import cache_root
 from step05_paged.paged_attention import paged_attention_op   # 第 05 章的内核，注册成了 PyTorch 算子
-
-from .errors import UserError
-from .prepare import cache_root
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("default", "max-autotune", "freezing", "freezing+max-autotune")
@@ -310,3 +309,19 @@ def compile_engine(engine, mode: str = DEFAULT_MODE, buckets: Optional[tuple[int
     compiled.warm_up(kv.pool, progress)
     engine.model = compiled
     return True
+
+
+RUN_PY_HELP = "生成模式：decode 步用 torch.compile 按批大小桶各编译一张静态形状的图（perf/compiled_decode.py）"
+
+
+def add_compile_arg(g, what: str = RUN_PY_HELP) -> None:
+    """--compile [MODE]：step05 起的 run.py、step11 的服务器与它的基准共用。"""
+    g.add_argument("--compile", nargs="?", const=DEFAULT_MODE, default=None, choices=MODES, metavar="MODE",
+                   help=f"{what}；MODE 默认 {DEFAULT_MODE}，可选 {' / '.join(MODES)}"
+                        "（速度、编译时间与内存见 docs/appendix_performance.md）")
+
+
+def compile_if_asked(args, engine) -> None:
+    """--compile：把引擎的 decode 换成编译好的图（先把每个桶编译一遍，带进度条）。"""
+    if getattr(args, "compile", None):
+        compile_engine(engine, mode=args.compile)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from .prepare import cache_root, default_model_dir, find_gguf
+from common.prepare import cache_root, default_model_dir, find_gguf
 
 LLAMA_CPP_VERSION = "0.3.36"                 # 我们测过的版本（它内嵌的 llama.cpp 版本随之固定）
 INSTALL = f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}"

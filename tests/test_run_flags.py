@@ -1,0 +1,71 @@
+"""step05 起每个 run.py 的命令行：引擎参数由那一步自己的 EngineConfig 生成（说明在字段的 metadata 里），
+run.py 与 common/cli.py 都不手写它们；run.py 约定里的每个参数都还在（docs/00_overview.md 的"run.py 约定"）。"""
+import ast
+import dataclasses
+import importlib
+
+import pytest
+
+from conftest import ROOT
+
+STEPS = ("step05_paged", "step06_prefix_cache", "step07_chunked_prefill", "step08_kv_quant", "step09_speculative",
+         "step10_tensor_parallel")
+CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py 都有
+    "--block-size": 5, "--num-blocks": 5, "--max-batch-size": 5, "--attention": 5, "--compile": 5,
+    "--no-prefix-cache": 6, "--n": 6, "--max-num-batched-tokens": 7, "--no-chunked-prefill": 7,
+    "--kv-dtype": 8, "--preempt": 8, "--spec-method": 9, "--num-spec-tokens": 9, "--ngram-min": 9, "--ngram-max": 9,
+    "--draft-model": 9, "--tp": 10, "--pp": 10,
+}
+RUN_PY_DEFAULTS = {"spec_method": None}   # run.py 改了默认值的字段：没给时按 --draft-model 推断
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def engine_flags(step: str) -> dict[str, dataclasses.Field]:
+    cfg = importlib.import_module(f"{step}.engine").EngineConfig
+    return {flag_of(f): f for f in dataclasses.fields(cfg) if "help" in f.metadata}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_engine_flags_are_generated_from_engine_config(step):
+    parser = importlib.import_module(f"{step}.run").make_parser()
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    n = int(step[4:6])
+    assert {f for f, since in CONTRACT.items() if since <= n} <= set(actions), "a run.py contract flag is missing"
+    assert not {f for f, since in CONTRACT.items() if since > n} & set(actions), "a later step's flag leaked in"
+    generated = engine_flags(step)
+    assert {"--num-blocks", "--block-size", "--max-batch-size", "--attention"} <= set(generated)
+    for flag, f in generated.items():
+        a = actions[flag]
+        assert a.help == f.metadata["help"], flag
+        assert a.choices == f.metadata.get("choices"), flag
+        if f.type is bool or f.type == "bool":
+            assert a.default is False and a.nargs == 0, flag         # --no-X：开关
+        else:
+            default = None if f.default is dataclasses.MISSING else f.default
+            assert a.default == RUN_PY_DEFAULTS.get(f.name, default), flag
+
+
+def hand_written_flags(path) -> list[tuple[int, str]]:
+    """源码里 add_argument("--x", …) 的 (行号, "--x")。"""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            out += [(node.lineno, a.value) for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    return out
+
+
+def test_no_engine_flag_is_written_by_hand():
+    """EngineConfig 的字段生成的参数，不在那一步的 run.py 里、也不在 common/cli.py 里（任何一步的）再写一遍。
+    （step06 的 --no-prefix-cache 不是它的 EngineConfig 的字段：它选 step05 的引擎，是 run.py 自己的开关。）"""
+    generated = {step: set(engine_flags(step)) for step in STEPS}
+    every = set().union(*generated.values())
+    assert len(every) >= 10
+    bad = [f"common/cli.py:{line} {flag}" for line, flag in hand_written_flags(ROOT / "common" / "cli.py")
+           if flag in every]
+    for step in STEPS:
+        bad += [f"{step}/run.py:{line} {flag}" for line, flag in hand_written_flags(ROOT / step / "run.py")
+                if flag in generated[step]]
+    assert not bad, "engine flags written by hand:\n" + "\n".join(bad)
