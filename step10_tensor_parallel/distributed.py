@@ -209,9 +209,9 @@ class ParallelContext:
         self.broadcast_object(None)
 
 
-def serve_worker(parallel: ParallelContext, model_dir, device: str, dtype: torch.dtype) -> None:
+def serve_worker(parallel: ParallelContext, model_dir, device: str, dtype: torch.dtype, linear: str = "auto") -> None:
     """rank ≠ 0 的全部工作：装上自己那一份模型；rank 0 每建一个引擎，就按同一份配置建一个，跑到它结束。"""
-    model = load_shard(model_dir, parallel, device, dtype)
+    model = load_shard(model_dir, parallel, device, dtype, linear)
     while (config := parallel.broadcast_object()) is not None:
         # 猜测只在 rank 0 上做（草稿模型也只在那里）：要验证的猜测已经写在每一步的计划里
         LLMEngine(model, replace(config, spec_method="none"), parallel=parallel).run_worker()

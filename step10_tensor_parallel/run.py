@@ -102,8 +102,8 @@ def main(args) -> bool:
                 for q in parallel_samples(Request(ids, args.max_new_tokens, params, args.ignore_eos, stop), args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
-    with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
-        s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
+    with launch(args.tp, args.pp, serve_worker, (path, device, dtype, args.linear)) as parallel:
+        s.model = load_shard(path, parallel, device, dtype, args.linear)          # 这里往下只有 rank 0 在跑
         engine = engine_for(args, s, num_blocks, parallel, cli.load_draft_model(args, s))
         cli.compile_if_asked(args, engine)
         outputs, st = engine.generate(requests)
