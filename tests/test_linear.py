@@ -133,3 +133,16 @@ def test_real_model_packed_vs_plain(real):
         assert c.ok, c.describe()
     print(f"max |Δlogits| packed vs plain over {len(CHAPTER_PROMPTS)} prompts: {worst:.2e}")
     assert worst < 2e-4          # 与 test_model 对 HF 的界相同：两种求和顺序，末位不同
+
+
+def test_profiler_counts_packed_matmuls(tiny):
+    """common/bench.py 的 profile_steps（step03 的剖析、bench/decode_speed.py 的"算子/步"与"矩阵乘 ms"）把打包的
+    矩阵乘当成顶层算子和矩阵乘来数：同一次前向，packed 与 plain 的算子数相同（x @ W 是 aten::matmul，
+    packed 是 mkldnn::_linear_pointwise），packed 的矩阵乘事件就是那个算子。"""
+    from common.bench import MATMUL_OPS, profile_steps
+    ids, pos = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)[None]
+    plain = load_model(tiny.path, "cpu", torch.float32, "plain")
+    with torch.inference_mode():
+        p, q = profile_steps(lambda: tiny.model(ids, pos), 1), profile_steps(lambda: plain(ids, pos), 1)
+    assert p.ops == q.ops
+    assert "mkldnn::_linear_pointwise" in MATMUL_OPS and "mkldnn::_linear_pointwise" in p.table
