@@ -10,7 +10,7 @@
   MKL packed       torch.ops.mkl._mkl_reorder_linear_weight（按 M 打包一次）+ _mkl_linear（MKL 的 packed GEMM）
   oneDNN dense     _linear_pointwise 直接吃普通的 (out, in) 权重、不打包：把"换内核"与"换布局"分开
 每种形状复制多份、总量 ≥ 96 MiB（--quick 48 MiB），放不进 L3，和真实 decode 一样从内存读；各实现轮流跑、取中位数。
-第 2 部分（原因）：打包一次要多久；每次调用 plain 比 packed 多花的时间折合多少字节；每次调用里到底调用了什么
+第 2 部分（原因）：打包一次要多久（每种形状一个矩阵，和整个模型加载时的那一步）；每次调用 plain 比 packed 多花的时间折合多少字节；每次调用里到底调用了什么
 （子进程里开 MKL_VERBOSE=1 / ONEDNN_VERBOSE=1 数行，torch.profiler 列算子）。
 只测量，不断言。机器有别的负载时（表头印出 load avg）数字不可信。
 """
@@ -31,8 +31,9 @@ from common import cli  # noqa: E402
 from common.bench import machine, memory_bandwidth, table  # noqa: E402
 from common.config import ModelConfig  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.linear import pack_weight, packed_matmul, packed_problem  # noqa: E402
+from common.linear import linears, pack_weight, packed_matmul, packed_problem, use_linear_  # noqa: E402
 from common.prepare import resolve_model  # noqa: E402
+from common.weights import load_model  # noqa: E402
 
 DECODE_M = (1, 2, 4, 8, 16)
 PREFILL_M = (128, 512)
@@ -149,7 +150,8 @@ def main(args) -> bool:
     if problem:
         raise UserError(f"cannot run the packed path here: {problem}")
     torch.set_num_threads(args.threads)
-    cfg = ModelConfig.from_dir(resolve_model(args.model))
+    path = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(path)
     shapes = model_shapes(cfg)
     ms = DECODE_M if args.quick else DECODE_M + PREFILL_M
     total = 48 if args.quick else 96
@@ -190,12 +192,20 @@ def main(args) -> bool:
                  "多花的时间按带宽折合几份权重"], cost_rows))
     print("（最后一列 = (plain − packed) × 本次带宽 ÷ 权重字节：如果 plain 多花的时间全是在多搬字节，它每次调用多搬了"
           "几份权重。拷贝一份 = 读一遍 + 写一遍。）")
+    model = load_model(path, "cpu", torch.float32, "plain")
+    t0 = time.perf_counter()
+    use_linear_(model, "packed")                                       # 加载时做的就是这一步（common/weights.py）
+    pack_model_s = time.perf_counter() - t0
+    n_lin = len(linears(model))
+    print(f"整个模型（{n_lin} 个矩阵，{sum(p.nbytes for m in linears(model) for p in m.parameters()) / 2**20:.0f} MiB）"
+          f"加载时打包一次：{pack_model_s:.2f} s")
+    del model
 
     counts = verbose_counts()
     print("\n原因 2：每次调用里调用了什么（子进程，1 线程，576×3072，M = 1，各 3 次调用）")
     pl, pk = counts["plain"], counts["packed"]
     print(f"  plain x@W（MKL_VERBOSE=1）：{pl['mkl_sgemm']} 行 SGEMM —— 每次调用都是一次完整的 sgemm，"
-          f"MKL 每次都把权重当成没见过的矩阵处理")
+          f"调用之间不复用任何对权重做过的处理")
     print(f"  oneDNN packed（ONEDNN_VERBOSE=1）：打包时 {pk['onednn_reorder_at_pack']} 次 reorder；之后 3 次调用里 "
           f"{pk['onednn_reorder_per_calls']} 次 reorder、{pk['onednn_inner_product']} 次 inner_product，"
           f"权重格式 {pk['weight_format'] or '?'}")
@@ -206,13 +216,13 @@ def main(args) -> bool:
     if args.json:
         cli.emit_json({"step": "bench_linear", "machine": machine(), "threads": args.threads,
                        "bandwidth_gbs": [round(bw0 / 1e9, 2), round(bw1 / 1e9, 2)], "table": records,
-                       "costs_s": costs, "verbose": counts, "profiler": ops})
+                       "costs_s": costs, "pack_model_s": round(pack_model_s, 3), "verbose": counts, "profiler": ops})
     return True
 
 
 def make_parser():
     p = cli.Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="取形状的 HF 目录（只读 config.json）；默认 SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help="取形状与量整模型打包时间的 HF 目录；默认 SmolLM2-135M-Instruct")
     p.add_argument("--threads", type=cli.positive_int, default=2, help="线程数（默认 2）")
     p.add_argument("--rounds", type=cli.positive_int, default=7, help="轮流计时的轮数，取中位数（默认 7）")
     p.add_argument("--quick", action="store_true", help="只有 decode 的 M、每种形状 48 MiB、3 轮（冒烟用，数字噪声大）")
