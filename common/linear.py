@@ -6,8 +6,8 @@
 
 为什么要打包（测量与表格见 docs/appendix_performance.md 的"小 M 的矩阵乘"，复测：python bench/linear_bench.py）：
 decode 每一步都是"几行 × 矩阵"（M = 批里的请求数，1…16），时间几乎全花在把权重从内存读一遍上。
-`x @ W` 每次都调用 MKL 的 sgemm（MKL_VERBOSE=1 可以看到每次一行 SGEMM），它把权重当成一个普通的、
-这次调用才第一次见到的矩阵：在 M 这么小时读权重的速度远低于这台机器的内存带宽。
+`x @ W` 每次都调用一次独立的 MKL sgemm（MKL_VERBOSE=1 可以看到每次一行 SGEMM），调用之间不复用任何对权重
+做过的处理；在 M 这么小时它读权重的速度离内存带宽很远（这个问题的起因，复测见上面的脚本）。
 oneDNN 的 `_reorder_linear_weight` 把权重一次性重排成它的内核最爱读的块格式（AVX2 上是 AB16b64a：
 每 64 个输出 × 16 个输入一块，连续存放），之后 `_linear_pointwise` 每次只顺序读这些块一遍、不再重排
 （ONEDNN_VERBOSE=1：打包时一行 reorder，之后每次调用只有一行 inner_product）。torch.compile 的 freezing
