@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from common.errors import UserError
 from common.kv_cache import KVCache
+from common.linear import dense_weight, pack_
 from common.model import MLP, Attention, Linear, apply_rope, attention, causal_mask
 from step02_sampling.sampler import SamplingParams, sample
 from step03_kvcache_single.cache import PreallocKVCache
@@ -31,11 +32,13 @@ def fused_linear(parts: list[Linear]) -> Linear:
     """几个输入相同的 Linear 沿输出维拼成一个：(in, out_1), (in, out_2), ... -> (in, out_1 + out_2 + ...)。
     一次矩阵乘读完全部权重，输出按列切回几份，每一列的数学与分开算时相同。"""
     with torch.no_grad():
-        w = torch.cat([p.weight for p in parts], dim=1)                     # (in, Σ out_i)
+        w = torch.cat([dense_weight(p) for p in parts], dim=1)              # (in, Σ out_i)
         fused = Linear(w.shape[0], w.shape[1], bias=parts[0].bias is not None)
         fused.weight = nn.Parameter(w, requires_grad=False)
         if fused.bias is not None:
             fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)   # (Σ out_i,)
+        if parts[0].packed is not None:                                     # 与原模型同一种线性层（common/linear.py）
+            pack_(fused)
     return fused
 
 
@@ -200,11 +203,12 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: Linear):
         super().__init__()
-        w = linear.weight.detach().t().float()                                 # (in, out) -> (out, in)
+        dense = dense_weight(linear)                                           # (in, out)，打包过也一样
+        w = dense.detach().t().float()                                         # (in, out) -> (out, in)
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127                     # (out,)
         self.weight = nn.Parameter((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(),
                                    requires_grad=False)
-        self.scale = nn.Parameter(scale.to(linear.weight.dtype), requires_grad=False)
+        self.scale = nn.Parameter(scale.to(dense.dtype), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x):

@@ -114,7 +114,8 @@ class StepProfile:
     table: str               # 按自身时间排序的前 15 行，--profile 时打印
 
 
-MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm")
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise")        # 最后一个：--linear packed 的矩阵乘（common/linear.py）
 COMPILED_GRAPH = "## Call CompiledFxGraph"   # torch.compile 的图在剖析器里的名字；它的子事件是图里的内核
 
 
@@ -132,7 +133,7 @@ def profile_steps(fn, steps: int) -> StepProfile:
 
     def is_op(e):
         if e.cpu_parent is None:
-            return e.name.startswith("aten::")
+            return e.name.startswith(("aten::", "mkldnn::"))
         return e.cpu_parent.name.startswith(COMPILED_GRAPH)
 
     calls = sum(1 for e in prof.events() if is_op(e)) / steps

@@ -12,6 +12,7 @@ import torch
 from .config import ModelConfig
 from .device import pick_device, pick_dtype
 from .errors import UserError
+from .linear import LINEAR_IMPLS
 from .prepare import resolve_model
 from .tokenizer import Tokenizer
 from .weights import load_model
@@ -40,12 +41,20 @@ def make_parser(description: str) -> Parser:
     p.add_argument("--model", default=None, help="本地 HF 目录（llama / qwen2 / qwen3）；默认 SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_linear_arg(p)
     p.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     p.add_argument("--prompt", action="append", default=None, help="生成模式：可重复给多个")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--ignore-eos", action="store_true", help="EOS 当普通 token，正好生成 N 个")
     p.add_argument("--chat", action="store_true", help="用分词器的对话模板包装提示词")
     return p
+
+
+def add_linear_arg(p) -> None:
+    """--linear：线性层用哪种算法（common/linear.py）。"""
+    p.add_argument("--linear", default="auto", choices=LINEAR_IMPLS,
+                   help="线性层：packed = 加载时把权重打包成 oneDNN 的块格式（CPU float32 的默认），"
+                        "plain = x @ W（MKL sgemm，CUDA 与其他 dtype 的默认）；见 docs/appendix_performance.md")
 
 
 def override(args: argparse.Namespace, **changes) -> argparse.Namespace:
@@ -145,15 +154,16 @@ def check_compile_args(args) -> None:
 
 def load_session(args) -> Session:
     check_compile_args(args)
-    return open_session(args.model, args.device, args.dtype)
+    return open_session(args.model, args.device, args.dtype, getattr(args, "linear", "auto"))
 
 
-def open_session(model_dir: str | None = None, device: str = "auto", dtype: str = "auto") -> Session:
+def open_session(model_dir: str | None = None, device: str = "auto", dtype: str = "auto",
+                 linear: str = "auto") -> Session:
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)
     path = resolve_model(model_dir)
     cfg = ModelConfig.from_dir(path)
-    model = load_model(path, device, dtype)
+    model = load_model(path, device, dtype, linear)
     tok = Tokenizer(path)
     return Session(model, tok, cfg, path, device, dtype)
 

@@ -16,22 +16,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .linear import packed_matmul
 
 
 class Linear(nn.Module):
     """与 nn.Linear 算的一样（y = x·Wᵀ + b），只是权重按 (in, out) 存放、直接算 x @ W。
     为什么：decode 时每层都是"向量 × 矩阵"，时间几乎全花在读权重上；开发机上 MKL 对 (in, out) 布局的
     矩阵-向量乘比 nn.Linear 的 (out, in) 布局快（差多少随机器而变，复测脚本见 docs/01_naive.md）。
-    加载时把 HF 检查点里的 (out, in) 权重转置一次（common/weights.py）。"""
+    加载时把 HF 检查点里的 (out, in) 权重转置一次（common/weights.py）。CPU float32 上加载后默认再打包一次
+    （packed：只留 oneDNN 块格式的那一份，weight 为 None；为什么、怎么关掉见 common/linear.py）。"""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))  # (in, out)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed = None                           # 打包后的权重（common/linear.py 的 pack_）；None = 用 weight
 
     def forward(self, x):
-        y = x @ self.weight                          # (..., in) x (in, out) -> (..., out)
+        y = self.matmul(x)                           # (..., in) x (in, out) -> (..., out)
         return y if self.bias is None else y + self.bias
+
+    def matmul(self, x):
+        """x·W，不加 bias（step10 的行切层在 all-reduce 之后才加 bias）。"""
+        return x @ self.weight if self.packed is None else packed_matmul(x, self.packed)
 
 
 class RMSNorm(nn.Module):

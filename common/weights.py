@@ -7,6 +7,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import UserError
+from .linear import resolve_linear, use_linear_
 from .model import Transformer
 
 
@@ -71,7 +72,9 @@ def check_weights(path, cfg: ModelConfig) -> None:
             raise UserError(f"weight {name!r} has shape {list(found[name])}, expected {list(shape)} from config.json")
 
 
-def load_model(path, device: str, dtype: torch.dtype) -> Transformer:
+def load_model(path, device: str, dtype: torch.dtype, linear: str = "auto") -> Transformer:
+    """linear：auto（CPU float32 上打包，其余 plain）、plain 或 packed，见 common/linear.py。"""
+    impl = resolve_linear(linear, device, dtype)          # 先检查：显式 packed 而这里不能打包时，不必先读完权重
     cfg = ModelConfig.from_dir(path)
     check_weights(path, cfg)
     names = expected_shapes(cfg)
@@ -91,4 +94,7 @@ def load_model(path, device: str, dtype: torch.dtype) -> Transformer:
     with torch.device("meta"):  # 先在 meta 设备上搭骨架（不分配、不初始化），再把权重"指派"进去
         model = Transformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    state.clear()  # 模型持有权重了；不清掉的话打包时每个矩阵的旧副本要等函数返回才释放（峰值两份权重）
+    # 装好之后才打包：每个矩阵打包成一份新的、丢掉 (in, out) 那份。tie 的 lm_head 是嵌入表的转置副本（上面），
+    # 打包它不碰 embed_tokens.weight
+    return use_linear_(model, impl).eval()

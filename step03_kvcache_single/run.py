@@ -251,7 +251,7 @@ def prefill_flops(model, T: int) -> float:
     """一次处理 T 个 token 的前向的浮点运算数：每层矩阵乘 2·参数·T，注意力 QKᵀ 与 PV 各 2·H·D·T²
     （我们的实现把被掩码遮住的一半也算了），LM head 只算最后一个位置。"""
     cfg = model.cfg
-    layer_params = sum(p.numel() for name, p in model.layers.named_parameters() if name.endswith("proj.weight"))
+    layer_params = sum(p.numel() for name, p in model.layers.named_parameters() if name.endswith(("proj.weight", "proj.packed")))
     attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * T * T
     return 2 * layer_params * T + attention + 2 * cfg.hidden_size * cfg.vocab_size
 

@@ -132,9 +132,9 @@ def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
     """一次 decode 前向（B 行各 1 个 token，上下文 32）的耗时随 B 的变化，以及其中线性层矩阵乘占多少；
     与 roofline 比：内存上限 B × 带宽 / 权重字节（读一遍权重服务 B 行），计算上限 算力 / 每 token 运算量。"""
     context, repeats = 32, 5 if args.quick else 10
-    weights = [m.weight for m in s.model.modules() if isinstance(m, Linear)]   # 含 lm_head
-    flop_per_token = 2 * sum(w.numel() for w in weights)                       # 每个矩阵权重一次乘加
-    linear_bytes = sum(w.nbytes for w in weights)                              # 下面单独计时的矩阵乘读的字节
+    linears = [m for m in s.model.modules() if isinstance(m, Linear)]          # 含 lm_head
+    flop_per_token = 2 * sum(m.in_features * m.out_features for m in linears)  # 每个矩阵权重一次乘加
+    linear_bytes = flop_per_token // 2 * s.dtype.itemsize                      # 下面单独计时的矩阵乘读的字节
     bw, flops = memory_bandwidth(s.device), matmul_flops(s.device)
     roofline = Roofline(bw)
     rows, step_ms = [], {}
@@ -144,9 +144,9 @@ def decode_step_profile(args, s: cli.Session, sizes: list[int]) -> dict:
         forward(s.model, cache, torch.zeros(B, context, dtype=torch.long, device=s.device), pad)   # prefill
         x = torch.zeros(B, 1, dtype=torch.long, device=s.device)               # (B, 1)
         t = median_time(lambda: forward(s.model, cache, x, pad), repeats=repeats, warmup=1, device=s.device)
-        xs = {n: torch.randn(B, n, device=s.device, dtype=s.dtype) for n in {w.shape[0] for w in weights}}
-        t_lin = median_time(lambda: [xs[w.shape[0]] @ w for w in weights], repeats=repeats, warmup=1,
-                            device=s.device)                                   # (B, in) x (in, out)，与模型里的一样
+        xs = {n: torch.randn(B, n, device=s.device, dtype=s.dtype) for n in {m.in_features for m in linears}}
+        t_lin = median_time(lambda: [m.matmul(xs[m.in_features]) for m in linears], repeats=repeats, warmup=1,
+                            device=s.device)                                   # (B, in) x (in, out)，与模型里的一样（--linear）
         weight_bytes = weight_bytes_per_step(s.model, rows=B)                  # B 行各查 1 行嵌入表
         roof = min(B / roofline.seconds(weight_bytes), flops / flop_per_token)
         step_ms[B] = t * 1e3

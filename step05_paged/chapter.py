@@ -171,7 +171,7 @@ def chapter(args, s: cli.Session) -> bool:
 
     # 读 KV 时拷贝的字节：step03 的两种缓存（公式）与 step05 的 gather（缓存里的计数器，ReadLedger 按块表对账）
     n_dec = st_gather.decode_steps
-    weights = sum(m.weight.nbytes for m in s.model.modules() if isinstance(m, Linear))
+    weights = sum(m.in_features * m.out_features * s.dtype.itemsize for m in s.model.modules() if isinstance(m, Linear))
     print(f"\n读 KV 时每个 decode 步拷贝的字节（上面 step05 默认池子那次运行，{n_dec} 个 decode 步的平均；"
           f"每 token 的 K/V {kvb} 字节，全部 {s.cfg.num_layers} 层的 K 和 V）：")
     print(table(["缓存", "每个 decode 步拷贝 (MiB)", "公式（每步）"], [

@@ -52,7 +52,7 @@ class Chapter:
         self.tol, self.eos, self.bs, self.B = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size, args.max_batch_size
         self.budget, self.k = args.max_num_batched_tokens, args.num_spec_tokens
         self.num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, self.bs, s.dtype)
-        self.draft = cli.open_session(args.draft_model, s.device, s.dtype_name).model if args.draft_model else s.model
+        self.draft = cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model if args.draft_model else s.model
         self.draft_name = "--draft-model " + args.draft_model if args.draft_model else "目标自己当草稿"
         self.checks, self.figures, self.engines = Checks(), {}, []
 

@@ -73,7 +73,7 @@ def check_speculative(args) -> None:
 
 def load_draft_model(args, s: cli.Session):
     """--draft-model：与目标同一设备、同一 dtype 加载（目录不对时一行 error）；不用草稿模型时 None。"""
-    return cli.open_session(args.draft_model, s.device, s.dtype_name).model if spec_method(args) == "draft" else None
+    return cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model if spec_method(args) == "draft" else None
 
 
 def check_args(args) -> None:

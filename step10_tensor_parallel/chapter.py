@@ -23,6 +23,7 @@ from common.compare import MARGIN_TOL, compare
 from common.errors import UserError
 from common.harness import Checks, finish, pool_is_free, stage
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT
+from common.linear import dense_weight
 from common.weights import load_model
 from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
@@ -73,7 +74,7 @@ def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, hop_latency:
 class Chapter:
     def __init__(self, args, s: cli.Session):
         self.args, self.s, self.quick = args, s, args.quick
-        s.model = load_model(s.path, s.device, s.dtype)           # 完整的模型：step09 的参照与 teacher forcing
+        s.model = load_model(s.path, s.device, s.dtype, args.linear)  # 完整的模型：step09 的参照与 teacher forcing
         self.tol, self.bs, self.eos = MARGIN_TOL[s.dtype], args.block_size, s.tok.eos_ids
         self.tp = next((t for t in (3, 2) if self.fits(t, 1)), None)
         self.pp = 2 if self.fits(1, 2) else None
@@ -92,8 +93,8 @@ class Chapter:
     def group(self, tp: int, pp: int):
         """起一组进程（rank 0 是本进程），装上 rank 0 的那一份模型。"""
         s = self.s
-        with launch(tp, pp, serve_worker, (s.path, s.device, s.dtype)) as par:
-            yield par, load_shard(s.path, par, s.device, s.dtype)
+        with launch(tp, pp, serve_worker, (s.path, s.device, s.dtype, self.args.linear)) as par:
+            yield par, load_shard(s.path, par, s.device, s.dtype, self.args.linear)
 
     def config(self, num_blocks: int, max_batch_size: int = 8, **kw) -> dict:
         return dict(num_blocks=num_blocks, block_size=self.bs, max_batch_size=max_batch_size,
@@ -161,7 +162,7 @@ class Chapter:
             for rank in range(tp * pp):
                 layout = Layout(rank, tp, pp)                                        # 只有位置，不通信
                 shard = Shard.of(cfg, layout)
-                model = load_shard(s.path, layout, s.device, s.dtype)                # 只装切片
+                model = load_shard(s.path, layout, s.device, s.dtype, self.args.linear)   # 只装切片
                 w = sum(p.nbytes for p in model.parameters())
                 b = step10.PagedKVCache(model.cfg, 1, self.bs, s.device, s.dtype).pool[:, :, 0].nbytes
                 rows.append([f"TP {tp} × PP {pp}", f"rank {rank}（层 {shard.layers.start}–{shard.layers.stop - 1}，"
@@ -257,7 +258,7 @@ class Chapter:
         E, V, B = cfg.hidden_size, cfg.vocab_size, self.runs["TP 1"]["B"]
         item = s.dtype.itemsize
         x = torch.randn(B, E, dtype=s.dtype, device=s.device)
-        W = s.model.lm_head.weight                                          # (E, V)
+        W = dense_weight(s.model.lm_head)                                   # (E, V)
         W_shard = W[:, :-(-V // tp)].contiguous()                           # (E, V/TP)
         full_t = median_time(lambda: x @ W, repeats=20, warmup=3, device=s.device)
         shard_t = median_time(lambda: x @ W_shard, repeats=20, warmup=3, device=s.device)

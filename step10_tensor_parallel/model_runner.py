@@ -62,10 +62,10 @@ class ModelRunner:
         return self.parallel.close_engine()
 
 
-def serve_worker(parallel, model_dir, device: str, dtype: torch.dtype) -> None:
+def serve_worker(parallel, model_dir, device: str, dtype: torch.dtype, linear: str = "auto") -> None:
     """rank ≠ 0 的全部工作（launch 的 worker_main）：装上自己那一份模型；rank 0 每建一个引擎，就按同一份配置
     建一个 ModelRunner，跑到那个引擎结束。猜测只在 rank 0 上做（草稿模型也只在那里）：要验证的猜测已经写在计划里。"""
-    model = load_shard(model_dir, parallel, device, dtype)
+    model = load_shard(model_dir, parallel, device, dtype, linear)
     while (config := parallel.broadcast_object()) is not None:
         parallel.open_engine(config, plan_numel(config, model.cfg))
         ModelRunner(model, config, parallel).run_worker()

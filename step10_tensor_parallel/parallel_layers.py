@@ -40,6 +40,7 @@ from safetensors import safe_open
 
 from common.config import ModelConfig
 from common.errors import UserError
+from common.linear import resolve_linear, use_linear_
 from common.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, RotaryEmbedding
 from common.weights import check_weights, expected_shapes, safetensors_files
 
@@ -121,7 +122,7 @@ class RowParallelLinear(Linear):
         self.rows, self.group = rows, group
 
     def forward(self, x):
-        y = x @ self.weight                          # (..., in/TP) x (in/TP, out) -> (..., out)：部分和
+        y = self.matmul(x)                           # (..., in/TP) x (in/TP, out) -> (..., out)：部分和
         self.group.all_reduce(y)                     # Σ_r：每个 rank 都拿到完整的 x·W
         return y if self.bias is None else y + self.bias
 
@@ -154,7 +155,7 @@ class ParallelLMHead(Linear):
         self.vocab, self.vocab_size, self.group = vocab, vocab_size, group
 
     def forward(self, x) -> Optional[torch.Tensor]:
-        y = x @ self.weight                                         # (B, N, E) x (E, V/TP) -> (B, N, V/TP)
+        y = self.matmul(x)                                          # (B, N, E) x (E, V/TP) -> (B, N, V/TP)
         full = self.group.gather(y)                                 # (B, N, TP·V/TP)，只在组里第一个 rank
         return None if full is None else full[..., :self.vocab_size]
 
@@ -286,9 +287,11 @@ def read_slice(sf, name: str, dim: Optional[int], part: Optional[range], size: i
     return t
 
 
-def load_shard(path, parallel, device: str, dtype: torch.dtype) -> ParallelTransformer:
+def load_shard(path, parallel, device: str, dtype: torch.dtype, linear: str = "auto") -> ParallelTransformer:
     """rank parallel.rank 的那一份模型：先在 meta 设备上搭骨架（不分配），再只读本 rank 的切片装进去。
-    parallel 是 ParallelContext；只装权重、不跑前向时可以是 distributed.Layout。"""
+    parallel 是 ParallelContext；只装权重、不跑前向时可以是 distributed.Layout。
+    linear 同 common/weights.py 的 load_model：切片装好之后，每一片各自打包（common/linear.py）。"""
+    impl = resolve_linear(linear, device, dtype)
     cfg = ModelConfig.from_dir(path)
     check_weights(path, cfg)
     check_parallel(cfg, parallel.tp_size, parallel.pp_size)
@@ -311,4 +314,5 @@ def load_shard(path, parallel, device: str, dtype: torch.dtype) -> ParallelTrans
     with torch.device("meta"):
         model = ParallelTransformer(cfg, shard, parallel)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    state.clear()
+    return use_linear_(model, impl).eval()

@@ -85,7 +85,7 @@ def check_speculative(args) -> None:
 
 def load_draft_model(args, s: cli.Session):
     """--draft-model：与目标同一设备、同一 dtype 加载（目录不对时一行 error）；不用草稿模型时 None。"""
-    return cli.open_session(args.draft_model, s.device, s.dtype_name).model if spec_method(args) == "draft" else None
+    return cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model if spec_method(args) == "draft" else None
 
 
 def check_args(args) -> None:
@@ -144,8 +144,8 @@ def main(args) -> bool:
                 for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
     prompts = [p for p in args.prompt for _ in range(args.n)]
     num_blocks = args.num_blocks or num_blocks_per_rank(cfg, args, dtype)
-    with launch(args.tp, args.pp, serve_worker, (path, device, dtype)) as parallel:
-        s.model = load_shard(path, parallel, device, dtype)          # 这里往下只有 rank 0 在跑
+    with launch(args.tp, args.pp, serve_worker, (path, device, dtype, args.linear)) as parallel:
+        s.model = load_shard(path, parallel, device, dtype, args.linear)          # 这里往下只有 rank 0 在跑
         engine = engine_for(args, s, num_blocks, parallel, load_draft_model(args, s))
         compiled_decode.compile_if_asked(args, engine)
         outputs, st = engine.generate(requests)

@@ -336,7 +336,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from common.cli import Parser, positive_int
+    from common.cli import Parser, add_linear_arg, positive_int
     from .engines import DEFAULT_ENGINE, ENGINES
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="默认只听本机；0.0.0.0 会对整个网络开放（配合 --api-key）")
@@ -344,6 +344,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="本地 HF 目录；默认 SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_linear_arg(p)
     p.add_argument("--api-key", default=None, help="给了就要求 Authorization: Bearer KEY（/v1 下的端点）")
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES), help=f"服务哪一步的引擎（默认 {DEFAULT_ENGINE}）")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
@@ -375,7 +376,7 @@ def main(argv=None) -> None:
             add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
             args = parser.parse_args(argv)
             refuse_compile_with_parallel(args)
-            session = open_session(args.model, args.device, args.dtype)
+            session = open_session(args.model, args.device, args.dtype, args.linear)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
             compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
             sock = bind(args.host, args.port)

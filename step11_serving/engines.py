@@ -74,8 +74,9 @@ def parallel_group(name: str, session, args):
     if session.device != "cpu":
         raise UserError("--tp/--pp > 1 run CPU processes over gloo here: use --device cpu")
     check_parallel(session.cfg, tp, pp)
-    with launch(tp, pp, serve_worker, (session.path, session.device, session.dtype)) as parallel:
-        session.model = load_shard(session.path, parallel, session.device, session.dtype)
+    linear = getattr(args, "linear", "auto")
+    with launch(tp, pp, serve_worker, (session.path, session.device, session.dtype, linear)) as parallel:
+        session.model = load_shard(session.path, parallel, session.device, session.dtype, linear)
         yield parallel
 
 

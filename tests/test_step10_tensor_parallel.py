@@ -19,6 +19,7 @@ from common.compare import MARGIN_TOL, compare
 from common.config import ModelConfig
 from common.errors import UserError
 from common.harness import pool_is_free
+from common.linear import dense_weight, linear_impl, linears
 from common.weights import load_model
 from conftest import cli_error, make_tiny_model_dir
 from step02_sampling.sampler import SamplingParams, draw_margin
@@ -55,8 +56,8 @@ def test_shards_reassemble_the_full_weights(tmp_path, arch):
     """TP = 2、PP = 2 的 4 个 rank：列切的层（q/k/v、gate/up、词表）按输出维、行切的层（o、down）按输入维拼回来
     就是完整模型的矩阵；bias（qwen2）、q/k norm（qwen3）、RMSNorm 跟着切或整份复制；每一层只在它的 stage 上。"""
     d = make_tiny_model_dir(tmp_path / arch, arch, num_hidden_layers=3)
-    ref = dict(load_model(d, "cpu", torch.float32).named_parameters())
-    shards = [load_shard(d, Layout(r, 2, 2), "cpu", torch.float32) for r in range(4)]
+    ref = dict(load_model(d, "cpu", torch.float32, "plain").named_parameters())        # 比的是切法：普通的 (in, out) 权重
+    shards = [load_shard(d, Layout(r, 2, 2), "cpu", torch.float32, "plain") for r in range(4)]
     assert [list(m.shard.layers) for m in shards] == [[0], [0], [1, 2], [1, 2]]
     got = {}
     for m in shards:
@@ -79,6 +80,25 @@ def test_shards_reassemble_the_full_weights(tmp_path, arch):
         assert torch.equal(whole, ref[name]), name
 
 
+def test_packed_shards_hold_the_same_slices_and_compute_the_same(model_dir):
+    """切片层（列切、行切、词表切的 lm_head）用的是 common/linear.py 的同一个实现：默认（CPU float32）打包，
+    打包的切片还原回来与 plain 的切片逐位相同，前向（单 rank：TP = PP = 1）与 plain 的 logits 只差舍入。"""
+    ids, pos = torch.tensor([[3, 17, 42, 9, 77]]), torch.arange(5)[None]
+    group = SimpleNamespace(size=1, gather=lambda y: y, all_reduce=lambda y: None)         # 一个 rank：通信什么也不做
+    one = SimpleNamespace(rank=0, tp_size=1, pp_size=1, tp_group=group,
+                          stats=SimpleNamespace(add=lambda *a: None))
+    for r in range(2):
+        packed, plain = (load_shard(model_dir, Layout(r, 2, 2), "cpu", torch.float32, impl) for impl in ("auto", "plain"))
+        assert linear_impl(packed) == "packed" and linear_impl(plain) == "plain"
+        assert all(m.weight is None for m in linears(packed))                       # 只留打包的那一份
+        for a, b in zip(linears(packed), linears(plain)):
+            assert type(a) is type(b) and torch.equal(dense_weight(a), b.weight)
+    packed, plain = (load_shard(model_dir, one, "cpu", torch.float32, impl) for impl in ("packed", "plain"))
+    with torch.inference_mode():
+        diff = (packed(ids, pos) - plain(ids, pos)).abs().max().item()
+    assert diff < 1e-4                # 另一个内核，求和顺序可以不同：差别只在末位（这么小的矩阵上常常逐位相同）
+
+
 def param_bytes(model) -> int:
     return sum(p.nbytes for p in model.parameters())
 
@@ -97,8 +117,8 @@ def test_each_rank_holds_1_over_tp_of_the_weights_and_of_the_kv_pool(model_dir, 
     for r in range(4):
         m = load_shard(model_dir, Layout(r, 4, 1), "cpu", torch.float32)
         assert m.shard.kv_heads == range(r // 2, r // 2 + 1) and m.cfg.num_kv_heads == 1 and m.cfg.num_heads == 1
-        k = m.layers[0].self_attn.k_proj.weight                                         # (E, D)
-        assert torch.equal(k, full.layers[0].self_attn.k_proj.weight[:, r // 2 * D:(r // 2 + 1) * D])
+        k = dense_weight(m.layers[0].self_attn.k_proj)                                  # (E, D)
+        assert torch.equal(k, dense_weight(full.layers[0].self_attn.k_proj)[:, r // 2 * D:(r // 2 + 1) * D])
         assert PagedKVCache(m.cfg, 8, 4, "cpu", torch.float32).nbytes * 2 == pool
     last = load_shard(model_dir, Layout(3, 4, 1), "cpu", torch.float32)                    # 词表 250 = 63 × 4 − 2
     assert last.embed_tokens.weight.shape[0] == 63 and not last.embed_tokens.weight[-2:].any()
