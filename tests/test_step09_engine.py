@@ -19,6 +19,7 @@ import torch
 
 from common.errors import UserError
 from conftest import cli_error, make_tiny_model_dir, one_arch
+from common.linear import resolve_linear, use_linear_
 from common.weights import load_model
 from step02_sampling.distribution import hf_filtered_probs, tv_bound, tv_distance
 from step02_sampling.sampler import SamplingParams
@@ -81,12 +82,12 @@ def continuation_proposer(truth: dict, k: int, wrong_at=None) -> FakeProposer:
 def other_tiny(tmp_path_factory):
     """"不完全一样"的草稿模型：与 llama 的 tiny 同样的权重，每个权重矩阵加上它自己标准差 10% 的噪声——猜测一部分对、
     一部分错。（另一个随机种子的小模型几乎一个都猜不对：接受数是 0，检查不出"接受一部分、拒绝一部分"。）"""
-    model = load_model(make_tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama"), "cpu", torch.float32)
+    model = load_model(make_tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama"), "cpu", torch.float32, "plain")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for w in model.parameters():
             w.add_(torch.randn(w.shape, generator=g) * w.std(correction=0) * 0.1)   # RMSNorm 的权重全是 1：std 0，不动
-    return model
+    return use_linear_(model, resolve_linear("auto", "cpu", torch.float32))      # 加了噪声之后再像默认那样打包
 
 
 # ---------------------------------------------------------------- 与 step08 相同

@@ -10,6 +10,7 @@
 import datetime
 import multiprocessing
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,8 +86,8 @@ def test_packed_shards_hold_the_same_slices_and_compute_the_same(model_dir):
     打包的切片还原回来与 plain 的切片逐位相同，前向（单 rank：TP = PP = 1）与 plain 的 logits 只差舍入。"""
     ids, pos = torch.tensor([[3, 17, 42, 9, 77]]), torch.arange(5)[None]
     group = SimpleNamespace(size=1, gather=lambda y: y, all_reduce=lambda y: None)         # 一个 rank：通信什么也不做
-    one = SimpleNamespace(rank=0, tp_size=1, pp_size=1, tp_group=group,
-                          stats=SimpleNamespace(add=lambda *a: None))
+    one = Layout(0, 1, 1)                                                               # 一个 rank 的位置
+    one.tp_group, one.stats = group, SimpleNamespace(add=lambda *a: None)
     for r in range(2):
         packed, plain = (load_shard(model_dir, Layout(r, 2, 2), "cpu", torch.float32, impl) for impl in ("auto", "plain"))
         assert linear_impl(packed) == "packed" and linear_impl(plain) == "plain"
