@@ -10,6 +10,8 @@
   MKL packed       torch.ops.mkl._mkl_reorder_linear_weight（按 M 打包一次）+ _mkl_linear（MKL 的 packed GEMM）
   oneDNN dense     _linear_pointwise 直接吃普通的 (out, in) 权重、不打包：把"换内核"与"换布局"分开
 每种形状复制多份、总量 ≥ 96 MiB（--quick 48 MiB），放不进 L3，和真实 decode 一样从内存读；各实现轮流跑、取中位数。
+第 3 部分（端到端）：同一份真实模型 plain 与 packed 各加载一次，step03 的贪心 decode（tokens/s，token 是否相同）与一次前向
+M = 1、8、16 行（与批 M 的一步 decode 同样形状的矩阵乘）的毫秒数，两种轮流跑。
 第 2 部分（原因）：打包一次要多久（每种形状一个矩阵，和整个模型加载时的那一步）；每次调用 plain 比 packed 多花的时间折合多少字节；每次调用里到底调用了什么
 （子进程里开 MKL_VERBOSE=1 / ONEDNN_VERBOSE=1 数行，torch.profiler 列算子）。
 只测量，不断言。机器有别的负载时（表头印出 load avg）数字不可信。
@@ -34,6 +36,8 @@ from common.errors import UserError  # noqa: E402
 from common.linear import linears, pack_weight, packed_matmul, packed_problem, use_linear_  # noqa: E402
 from common.prepare import resolve_model  # noqa: E402
 from common.weights import load_model  # noqa: E402
+from step02_sampling.sampler import SamplingParams  # noqa: E402
+from step03_kvcache_single.engine import generate  # noqa: E402
 
 DECODE_M = (1, 2, 4, 8, 16)
 PREFILL_M = (128, 512)
@@ -50,6 +54,29 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def mkl_packed_available() -> bool:
     return hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and torch.backends.mkl.is_available()
+
+
+def end_to_end(path, rounds: int, new_tokens: int) -> dict:
+    """plain 与 packed 各一份模型：step03 贪心 decode new_tokens 个 token 的 tokens/s（两种轮流跑、取中位数）与
+    一次前向 M 行的毫秒数；返回数字和两种生成的 token 是否相同。"""
+    models = {k: load_model(path, "cpu", torch.float32, k) for k in ("plain", "packed")}
+    prompt = list(range(100, 132))                                     # 32 个 token 的提示词；只比速度与 token 是否相同
+    tokens, secs = {}, {k: [] for k in models}
+    for _ in range(rounds):
+        for k, m in models.items():
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                tokens[k] = generate(m, prompt, new_tokens, SamplingParams(), ignore_eos=True)
+            secs[k].append(time.perf_counter() - t0)
+    out = {"decode_tok_s": {k: new_tokens / statistics.median(v) for k, v in secs.items()},
+           "same_tokens": tokens["plain"] == tokens["packed"], "forward_ms": {}}
+    for M in (1, 8, 16):
+        ids, pos = torch.tensor([prompt[:M] * (M // len(prompt[:M]))]), torch.arange(M)[None]
+        fns = {k: (lambda m=m: m(ids, pos)) for k, m in models.items()}
+        with torch.inference_mode():
+            t = time_calls(fns, rounds * 2 + 1)
+        out["forward_ms"][M] = {k: v * 1e3 for k, v in t.items()}
+    return out
 
 
 def time_calls(fns: dict, rounds: int) -> dict[str, float]:
@@ -212,11 +239,20 @@ def main(args) -> bool:
     ops = profiler_ops()
     for name, names in ops.items():
         print(f"  torch.profiler，{name}：{' → '.join(names)}")
-    print(f"\n结束时: {machine()}")
+    e2e = end_to_end(path, 3, 16 if args.quick else 64)
+    print(f"\n第 3 部分，端到端（step03 贪心 decode {16 if args.quick else 64} 个 token、一次前向 M 行；两种轮流跑取中位数）")
+    dt = e2e["decode_tok_s"]
+    rows3 = [["decode tokens/s（批 1）", f"{dt['plain']:.1f}", f"{dt['packed']:.1f}", f"{dt['packed'] / dt['plain']:.2f}×"]]
+    for M, t in e2e["forward_ms"].items():
+        rows3.append([f"一次前向 {M} 行 (ms)", f"{t['plain']:.1f}", f"{t['packed']:.1f}", f"{t['plain'] / t['packed']:.2f}×"])
+    print(table(["", "plain", "packed", "packed 快几倍"], rows3))
+    print(f"两种生成的 token {'相同' if e2e['same_tokens'] else '不同（看第 01 章的规则：只允许在近乎打平处分歧）'}")
+    print(f"\n结束时: {machine()}；读带宽 {memory_bandwidth() / 1e9:.1f} GB/s")
     if args.json:
         cli.emit_json({"step": "bench_linear", "machine": machine(), "threads": args.threads,
                        "bandwidth_gbs": [round(bw0 / 1e9, 2), round(bw1 / 1e9, 2)], "table": records,
-                       "costs_s": costs, "pack_model_s": round(pack_model_s, 3), "verbose": counts, "profiler": ops})
+                       "costs_s": costs, "pack_model_s": round(pack_model_s, 3), "verbose": counts, "profiler": ops,
+                       "end_to_end": e2e})
     return True
 
 
