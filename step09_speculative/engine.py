@@ -243,9 +243,29 @@ class LLMEngine:
                 budget -= n
         if not seqs:
             return
-        for seq, n, proposal in zip(seqs, caps, self.proposer.propose(seqs, caps)):
+        try:
+            proposals = self.proposer.propose(seqs, caps)
+        except Exception:   # 一批里是谁的猜测出的错？一个一个地重猜：出错的只结束它自己，别的请求照常
+            proposals = [self._propose_one(seq, n) for seq, n in zip(seqs, caps)]
+        for seq, n, proposal in zip(seqs, caps, proposals):
+            if isinstance(proposal, Exception):
+                self._fail_request(seq, proposal)
+                continue
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
             seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
+
+    def _propose_one(self, seq: Sequence, n: int):
+        try:
+            return self.proposer.propose([seq], [n])[0]
+        except Exception as e:
+            return e
+
+    def _fail_request(self, seq: Sequence, e: Exception) -> None:
+        """只属于这个请求的失败（它的猜测）：立刻还块，下一次 step() 报告 finish_reason="error"（RequestOutput.error）。"""
+        del self.seqs[seq.request_id]
+        self.scheduler.finish(seq, "error")
+        self.proposer.free(seq)
+        self._aborted.append(RequestOutput(seq.request_id, [], True, "error", seq.num_cached_tokens or 0, e))
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测

@@ -31,7 +31,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str] = None   # "stop"（EOS 或停止字符串）/ "length"（max_new_tokens）/ "abort"
     num_cached_tokens: int = 0            # 提示词里有几个 token 直接用了前缀缓存
-    error: Optional[Exception] = None      # finish_reason 为 "error" 时：这个请求自己的后处理（采样）抛出的异常
+    error: Optional[Exception] = None      # finish_reason 为 "error" 时：这个请求自己的采样或猜测抛出的异常
 
 
 @dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两个（`in`、list.remove 按身份比较）

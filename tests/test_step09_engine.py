@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from common.errors import UserError
-from conftest import cli_error, make_tiny_model_dir, one_arch
 from common.linear import resolve_linear, use_linear_
 from common.weights import load_model
+from conftest import cli_error, make_tiny_model_dir, one_arch
 from step02_sampling.distribution import hf_filtered_probs, tv_bound, tv_distance
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
@@ -560,3 +560,34 @@ def test_run_py_errors(tiny_tok_dir, capsys):
     assert "only used with" in cli_error(run09, base + ["--draft-model", str(tiny_tok_dir), "--spec-method", "none"],
                                          capsys)
     assert "does not exist" in cli_error(run09, base + ["--draft-model", "/nonexistent/dir"], capsys)
+
+
+@one_arch
+@pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
+def test_a_failing_proposal_ends_only_its_request(tiny, step):
+    """一个请求的猜测抛出（提议者是一批一起猜的）：只有它以 "error" 结束、块还回去，同一批别的请求照常猜、
+    输出与 step08 逐 token 相同；generate() 把这个错误抛给调用者。"""
+    model = tiny.model
+    reqs = requests()
+    truth = {tuple(r.prompt_ids): out for r, out in zip(reqs, reference(model, reqs))}
+    good = continuation_proposer(truth, 3).script
+    bad_prompt = tuple(reqs[1].prompt_ids)
+
+    def script(token_ids):
+        if tuple(token_ids[:len(bad_prompt)]) == bad_prompt and len(token_ids) > len(bad_prompt) + 2:
+            raise RuntimeError("injected proposal failure")
+        return good(token_ids)
+    engine = spec_engine(model, FakeProposer(script), step=step, num_spec_tokens=3)
+    ids = [engine.add_request(r) for r in reqs]
+    outs, errors = {i: [] for i in ids}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.finish_reason == "error":
+                errors[o.request_id] = o.error
+    assert list(errors) == [ids[1]] and "injected proposal failure" in str(errors[ids[1]])
+    assert [outs[i] for i in ids if i != ids[1]] == [truth[tuple(r.prompt_ids)] for r in reqs if r is not reqs[1]]
+    assert engine.spec_stats.accepted > 0                 # 别的请求确实还在猜
+    assert_all_free(engine)
+    with pytest.raises(RuntimeError, match="injected proposal failure"):
+        spec_engine(model, FakeProposer(script), step=step, num_spec_tokens=3).generate(reqs)
