@@ -3,8 +3,9 @@
     python -m step11_serving.api_server [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY]
         [--engine step10] [--max-waiting 64] [那一步的引擎参数：--num-blocks --block-size --max-batch-size ...]
 
-端点：POST /v1/chat/completions、POST /v1/completions（流式 SSE 与非流式）、GET /v1/models、GET /health、
-GET /metrics（Prometheus）、GET /（聊天页面）。API 里的模型名 = 模型目录的名字。
+端点：POST /v1/chat/completions、POST /v1/completions（流式 SSE 与非流式）、GET /v1/models、GET /v1/models/{id}、
+POST /tokenize、POST /detokenize（vLLM 的形状）、GET /health、GET /version、GET /metrics（Prometheus）、GET /（聊天页面）。
+API 里的模型名 = 模型目录的名字。每个响应都带 X-Request-Id（客户端给的原样回去，没给就生成一个），日志里用它认出请求。
 
 每个请求的路：读请求体（有上限）→ 检查字段（protocol.py）→ 分词 → AsyncLLMEngine.add（async_engine.py）→
 流式：每个 Delta 变成一个 SSE chunk；非流式：收齐再回。无论响应怎样结束（正常、客户端断开、出错、关闭服务器），
@@ -17,6 +18,7 @@ import secrets
 import socket
 import sys
 import time
+import uuid
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import UserError
@@ -70,6 +73,40 @@ class AbortOnExitStreamingResponse(StreamingResponse):
             self.handle.abort()
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+class RequestIdMiddleware:
+    """X-Request-Id（vLLM 的 --enable-request-id-headers 的做法）：客户端给了就在响应上原样回给它，没给就生成一个
+    （uuid4 的 hex）；处理函数从 request.state.request_id 取，交给异步引擎——日志里"这个 HTTP 请求 ↔ 它的引擎请求 id"
+    就靠它对上（引擎的 id 仍是 add_request 给的整数）。只收 1～256 个可见 ASCII 字符：它要进日志，太长的、
+    带控制字符的是 400 而不是原样写进去。
+    写成纯 ASGI 的一层（只在 http.response.start 里加一个头），而不是 @app.middleware("http")：后者把响应整个包一层，
+    流式响应与非流式请求的断开检测（until_done_or_disconnect 听的 http.disconnect）都会受影响。"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = Headers(scope=scope).get("x-request-id")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not (0 < len(rid) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in rid)):
+            e = P.APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII "
+                                f"characters (got {len(rid)} characters)", param="X-Request-Id")
+            return await error_response(Request(scope), e)(scope, receive, send)
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode("ascii"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 # ---------- 应用：各个处理函数在模块里，从 request.app.state 取这个服务器的引擎、分词器与设置 ----------
 
 def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
@@ -80,7 +117,10 @@ def build_app(aengine: AsyncLLMEngine, tok, s: ServerSettings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(RequestIdMiddleware)
+    aengine.metrics.name_model(s.model_name)      # vllm:* 指标的 model_name 标签
     app.include_router(v1)
+    app.include_router(keyed)
     app.include_router(plain)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -160,7 +200,7 @@ def default_max_tokens(s: ServerSettings, ids: list[int]) -> int:
 async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
     aengine, s = request.app.state.aengine, request.app.state.settings
     try:
-        handle = await aengine.add(inputs.requests, arrival)
+        handle = await aengine.add(inputs.requests, arrival, request.state.request_id)
     except UserError as e:                      # 引擎的检查：超出上下文、池子放不下、采样参数……
         raise P.APIError(400, str(e)) from None
     except ServerBusy as e:
@@ -187,7 +227,8 @@ async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_
 
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])    # 要 API key 的端点
-plain = APIRouter()                                                      # 不要的：健康检查、指标、页面
+keyed = APIRouter(dependencies=[Depends(require_api_key)])              # 也要、但不在 /v1 下的：vLLM 的 /tokenize、/detokenize
+plain = APIRouter()                                                      # 不要的：健康检查、版本、指标、页面
 
 
 @v1.post("/chat/completions")
@@ -217,11 +258,48 @@ async def completions(request: Request):
     return await submit(request, req, inputs, False, len(prompts), arrival)
 
 
+def model_card(request: Request) -> dict:
+    s = request.app.state.settings
+    return {"id": s.model_name, "object": "model", "created": request.app.state.started,
+            "owned_by": "llm-from-scratch", "max_model_len": s.context_len}
+
+
 @v1.get("/models")
 async def models(request: Request):
+    return {"object": "list", "data": [model_card(request)]}
+
+
+@v1.get("/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    """OpenAI 的"取一个模型"：只有这一个模型，别的名字 404（与生成端点的模型名不对同一句话）。"""
+    check_model(request.app.state.settings, model_id)
+    return model_card(request)
+
+
+@keyed.post("/tokenize")
+async def tokenize(request: Request):
+    """vLLM 的 /tokenize：{"prompt": 文本} 或 {"messages": 对话} → {"count", "max_model_len", "tokens", "token_strs"}。
+    默认参数时 tokens 就是生成端点交给引擎的那些（count = 那次请求的 usage.prompt_tokens）。"""
+    s, tok = request.app.state.settings, request.app.state.tok
+    req = P.parse_tokenize(await read_json(request))
+    check_model(s, req.model)
+    ids = await asyncio.to_thread(P.tokenize, tok, req)      # 长文本的分词不占事件循环
+    return P.tokenize_response(tok, ids, s.context_len, req.return_token_strs)
+
+
+@keyed.post("/detokenize")
+async def detokenize(request: Request):
+    """vLLM 的 /detokenize：{"tokens": [id, ...]} → {"prompt": 文本}。"""
     s = request.app.state.settings
-    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": request.app.state.started,
-                                        "owned_by": "llm-from-scratch", "max_model_len": s.context_len}]}
+    req = P.validate_body(P.DetokenizeRequest, await read_json(request))
+    check_model(s, req.model)
+    return {"prompt": await asyncio.to_thread(P.detokenize, request.app.state.tok, req.tokens, s.vocab_size)}
+
+
+@plain.get("/version")
+async def version(request: Request):
+    """vLLM 的 /version 回 {"version": vLLM 的版本}；我们没有发布版本号：version 是这一章，engine 是挂着的那一步的引擎。"""
+    return {"version": "step11", "engine": type(request.app.state.aengine.engine).__module__.partition(".")[0]}
 
 
 @plain.get("/health")

@@ -36,7 +36,7 @@ import torch
 from common.errors import UserError
 
 from .detokenizer import IncrementalDetokenizer
-from .metrics import ServerMetrics
+from .metrics import RequestTimes, ServerMetrics
 
 log = logging.getLogger("step11_serving")
 
@@ -68,9 +68,11 @@ class Delta:
 class RequestHandle:
     """一个 HTTP 请求在异步引擎里的全部状态：n 个引擎请求、一个输出队列、每个样本的增量解码器与计时。"""
 
-    def __init__(self, owner: "AsyncLLMEngine", requests, arrival: float):
+    def __init__(self, owner: "AsyncLLMEngine", requests, arrival: float, x_request_id: Optional[str] = None):
         n = len(requests)
         self.owner, self.requests, self.arrival = owner, requests, arrival
+        self.x_request_id = x_request_id    # HTTP 的 X-Request-Id：日志里用它认出这个请求（引擎的 id 仍是整数）
+        self.times = [RequestTimes(arrival) for _ in range(n)]   # 每个样本的几个时刻（vllm:* 的请求级指标）
         self.queue: asyncio.Queue = asyncio.Queue()
         self.added = asyncio.get_running_loop().create_future()   # 引擎接下（或拒绝）这些请求时完成
         self.request_ids: list[int] = []
@@ -113,6 +115,9 @@ class AsyncLLMEngine:
         self.error: Optional[BaseException] = None
         # 引擎状态的快照（循环在两步之间记下；别的协程只读这些，不碰引擎）
         self.num_running = self.num_waiting = self.peak_running = self.num_steps = 0
+        self._preemptions_seen: dict[int, int] = {}      # 引擎请求 id → 上一步之后读到的 seq.num_preemptions
+        self._spec_seen = (0, 0, 0)                      # 上一步之后读到的 spec_stats（验证次数、猜测、接受）
+        self._last_step_started = 0.0                   # 刚做完的那一步从什么时候开始
 
     # ---------------- HTTP 处理函数调用的 ----------------
     async def start(self) -> None:
@@ -142,9 +147,9 @@ class AsyncLLMEngine:
     def num_queued(self) -> int:
         return self.num_waiting + sum(len(h.requests) for h in self._pending)
 
-    async def add(self, requests, arrival: Optional[float] = None) -> RequestHandle:
+    async def add(self, requests, arrival: Optional[float] = None, x_request_id: Optional[str] = None) -> RequestHandle:
         """把一个 HTTP 请求的引擎请求交给循环，等引擎接下。引擎的检查失败（提示词太长、池子放不下……）时抛出
-        它的 UserError；排队的已经太多时抛 ServerBusy。"""
+        它的 UserError；排队的已经太多时抛 ServerBusy。x_request_id：日志里这个请求的名字（引擎接下时记下它 ↔ 引擎 id）。"""
         if self.error is not None:
             raise EngineUnavailable(f"the engine stopped after an error: {self.error}")
         if self._closing:
@@ -154,7 +159,7 @@ class AsyncLLMEngine:
                             f"{self.max_waiting} can wait (--max-waiting): it can never be admitted")
         if self.num_queued() + len(requests) > self.max_waiting:
             raise ServerBusy(f"{self.num_queued()} requests are already waiting (limit {self.max_waiting})")
-        h = RequestHandle(self, requests, time.perf_counter() if arrival is None else arrival)
+        h = RequestHandle(self, requests, time.perf_counter() if arrival is None else arrival, x_request_id)
         self._pending.append(h)
         self._wake.set()
         try:
@@ -211,8 +216,9 @@ class AsyncLLMEngine:
                 try:
                     outs = await loop.run_in_executor(self._executor, self._step)
                 finally:
-                    self._step_started = None
+                    started, self._step_started = self._step_started, None
                 self.num_steps += 1
+                self._after_step(started)
                 self._dispatch(outs)
         except Exception as e:                             # 引擎（或这一层）坏了：让每个等着的客户端都知道，不让它们挂着
             self._fail(e)
@@ -236,8 +242,11 @@ class AsyncLLMEngine:
                 h.request_ids = []
                 h.added.set_exception(e)
                 continue
+            now = time.perf_counter()
             for i, rid in enumerate(h.request_ids):
                 self._live[rid] = (h, i)
+                h.times[i].added = now
+            log.info("request %s: engine request ids %s", h.x_request_id, h.request_ids)
             h.added.set_result(None)
         aborts, self._aborts = self._aborts, []
         now = time.perf_counter()
@@ -270,6 +279,7 @@ class AsyncLLMEngine:
             if det.stopped:
                 break
         if kept:
+            self._on_tokens(h, i, len(kept), now, getattr(out, "num_cached_tokens", 0))
             h.token_ids[i] += kept
             if h.first_token[i] is None:
                 h.first_token[i] = now
@@ -285,7 +295,7 @@ class AsyncLLMEngine:
 
     def _fail_request(self, h: RequestHandle, e: BaseException) -> None:
         """一个请求的失败：它还没结束的样本全部从引擎里取消（块立刻还回去），处理函数收到 RequestFailed。"""
-        log.error("request failed; only this request gets an error", exc_info=e)
+        log.error("request %s failed; only this request gets an error", h.x_request_id, exc_info=e)
         now = time.perf_counter()
         for i, rid in enumerate(h.request_ids):
             if self._live.pop(rid, None) is not None:
@@ -294,6 +304,7 @@ class AsyncLLMEngine:
                 h.finish_reasons[i] = "error"
                 self.metrics.request_finished("error", len(h.requests[i].prompt_ids), h.cached_tokens[i],
                                               len(h.token_ids[i]), h.arrival, h.first_token[i], now)
+                self.metrics.vllm_finished("error", h.times[i], now)
         h.queue.put_nowait(e if isinstance(e, RequestFailed) else RequestFailed(f"{type(e).__name__}: {e}"))
 
     def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
@@ -301,6 +312,42 @@ class AsyncLLMEngine:
         h.queue.put_nowait(Delta(i, text, list(token_ids), reason))
         self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
                                       len(h.token_ids[i]), h.arrival, h.first_token[i], now)
+        self.metrics.vllm_finished(reason, h.times[i], now)
+        log.debug("request %s: engine request %d finished (%s, %d tokens)", h.x_request_id, h.request_ids[i],
+                  reason, len(h.token_ids[i]))
+
+    def _on_tokens(self, h: RequestHandle, i: int, num_tokens: int, now: float, cached: int) -> None:
+        """vllm:* 的逐步指标：这一步发给客户端的 token 数；第一次时的首 token 延迟，之后的 token 间隔。"""
+        t = h.times[i]
+        first = t.first_token is None
+        self.metrics.vllm_tokens(num_tokens, now - h.arrival if first else None, None if first else now - t.last_token,
+                                 len(h.requests[i].prompt_ids) if first else 0, cached if first else 0)
+        if t.scheduled is None:           # 同一步里被调度、又结束了（已经不在运行集合里）
+            t.scheduled = self._last_step_started
+        if first:
+            t.first_token = now
+        t.last_token = now
+        t.num_tokens += num_tokens
+
+    def _after_step(self, started: float) -> None:
+        """一步刚做完、下一步还没开始（引擎线程闲着）：读引擎的计数。谁第一次进了批（排队到此为止），
+        这一步多了几次抢占（每个请求的 seq.num_preemptions 的增量；被抢占的请求回到等待队列，还在 engine.seqs 里），
+        step09/10 的投机解码这一步验证了几次、猜了几个、接受了几个（engine.spec_stats 的增量）。"""
+        self._last_step_started = started
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        for rid, (h, i) in self._live.items():
+            if h.times[i].scheduled is None and rid in running:
+                h.times[i].scheduled = started
+        preempted, seen = 0, {}
+        for rid, seq in getattr(self.engine, "seqs", {}).items():
+            seen[rid] = seq.num_preemptions
+            preempted += seq.num_preemptions - self._preemptions_seen.get(rid, 0)
+        self._preemptions_seen = seen
+        spec = getattr(self.engine, "spec_stats", None)
+        now_spec = (spec.verifications, spec.proposed, spec.accepted) if spec is not None else (0, 0, 0)
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(now_spec, self._spec_seen))
+        self._spec_seen = now_spec
+        self.metrics.vllm_engine_counts(preempted, drafts, draft_tokens, accepted)
 
     def _snapshot(self) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager

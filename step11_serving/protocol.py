@@ -154,8 +154,15 @@ def json_depth(obj) -> int:
 
 
 def parse_request(cls, obj: dict):
+    req = validate_body(cls, obj)
+    _reject_unsupported(req)
+    return req
+
+
+def validate_body(cls, obj: dict):
+    """请求体 → cls 的实例；类型不对、缺字段、不认识的字段 → 400 指名字段。"""
     try:
-        req = cls.model_validate(obj)
+        return cls.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
@@ -163,8 +170,6 @@ def parse_request(cls, obj: dict):
             raise APIError(400, f"unknown field `{loc}`: this server does not support it", param=loc) from None
         raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
                        param=str(err["loc"][0]) if err["loc"] else None) from None
-    _reject_unsupported(req)
-    return req
 
 
 # OpenAI（与 vLLM）有、这里没实现的字段 → 接受的值：都等于"没用这个功能"（OpenAI 的默认值）。别的值 400 指名字段，
@@ -215,18 +220,21 @@ class EngineInputs:
     prompt_tokens: int           # usage.prompt_tokens：每个提示词算一次（n 个样本共用同一个提示词）
 
 
-def encode_chat(tok, messages: list[ChatMessage]) -> list[int]:
-    """按模型自己的对话模板把整段对话排成 token（与 `--chat` 相同：模板里已经有特殊 token，不再加）。"""
+def encode_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> list[int]:
+    """按模型自己的对话模板把整段对话排成 token（与 `--chat` 相同：模板里已经有特殊 token，不再加）。
+    其余参数只有 /tokenize 用（vLLM 的 TokenizeChatRequest 的同名字段）；chat 端点用默认值。"""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     if not tok.hf.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
     conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
-        text = tok.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = tok.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)
     except Exception as e:   # 模板自己的 raise_exception（例如角色顺序不对）
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    return tok.hf(text, add_special_tokens=False).input_ids
+    return tok.hf(text, add_special_tokens=add_special_tokens).input_ids
 
 
 def encode_prompts(tok, prompt, vocab_size: int) -> list[list[int]]:
@@ -351,3 +359,64 @@ class ResponseShape:
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices, "usage": u}
 
+
+
+# ---------------- /tokenize、/detokenize（vLLM 的形状） ----------------
+
+class TokenizeCompletionRequest(_Model):
+    """vLLM 的 TokenizeCompletionRequest：prompt 按 /v1/completions 的分法（默认加特殊 token，与那个端点相同）。"""
+    model: Optional[StrictStr] = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Model):
+    """vLLM 的 TokenizeChatRequest：messages 按 /v1/chat/completions 的分法（对话模板 + 生成提示）。"""
+    model: Optional[StrictStr] = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False   # 最后一条消息不结束，模型接着写它（不能与 add_generation_prompt 同时为真）
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Model):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
+
+
+def parse_tokenize(obj: dict) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+    """有 prompt 是一段文本，有 messages 是一段对话；两个都有、都没有都是 400（指名字段），而不是猜一个。"""
+    if ("prompt" in obj) == ("messages" in obj):
+        raise APIError(400, "give exactly one of `prompt` (a text) or `messages` (a chat)",
+                       param="messages" if "prompt" in obj else "prompt")
+    req = validate_body(TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest, obj)
+    if isinstance(req, TokenizeChatRequest) and req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+    return req
+
+
+def tokenize(tok, req: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> list[int]:
+    """与生成端点交给引擎的 token 相同（默认参数时）：usage.prompt_tokens 就是这里的 count。空文本是 0 个 token。"""
+    if isinstance(req, TokenizeChatRequest):
+        return encode_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                           req.add_special_tokens)
+    return tok.hf(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+
+
+def tokenize_response(tok, ids: list[int], max_model_len: int, with_strs: bool) -> dict:
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": tok.hf.convert_ids_to_tokens(ids) if with_strs else None}
+
+
+def detokenize(tok, ids: list[int], vocab_size: int) -> str:
+    """token id → 文本，特殊 token 照样写出来（/tokenize 的逆：对话模板的标记也回来）。越界的 id 是 400 而不是 500。"""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"tokens[{i}] = {t} is not a token id: ids are in [0, {vocab_size})", param="tokens")
+    try:
+        return tok.hf.decode(ids, skip_special_tokens=False)
+    except Exception as e:   # 在模型词表里、分词器却没有的 id（词表补齐的那几行）
+        raise APIError(400, f"the tokenizer cannot decode these ids: {e}", param="tokens") from None

@@ -37,6 +37,10 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     blocks: int = 0
 
+    @property
+    def request_id(self) -> int:           # 与真实引擎的 Sequence 同名：服务器从 scheduler.running 认出谁进了批
+        return self.id
+
 
 class GenerateOutput(NamedTuple):
     outputs: list[list[int]]
