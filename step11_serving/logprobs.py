@@ -39,7 +39,10 @@ def _byte_decoder(hf) -> Optional[dict[str, int]]:
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
     if "ByteLevel" not in kinds:
         return None
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    try:                                              # GPT-2 的 字节 → 可打印字符 表（transformers 5 把它挪了地方）
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
     return {c: b for b, c in bytes_to_unicode().items()}
 
 

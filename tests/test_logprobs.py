@@ -182,19 +182,21 @@ def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny, step, attention):
 
 @one_arch
 def test_prompt_logprobs_survive_preemption(tiny):
-    """池子小到一定抢占（重算）：被抢占的请求重新 prefill 时，已经攒好的提示词位置不再算、也不重复交出去。"""
-    ps = prompts()
-    reqs = [Request(p, 20, GREEDY, ignore_eos=True, prompt_logprobs=1) for p in ps]
-    eng = make(step09, tiny.model, num_blocks=16, max_num_batched_tokens=8)
+    """12 块的池子：短提示词的请求 decode 到要第 3 块时，37 个 token 的提示词还在分块 prefill（已经攒了几个位置的
+    logprobs），它被抢占（重算）；重新 prefill 时已经攒好的位置不再算，提示词的 logprobs 只交一次、仍然对。"""
+    p0, _, p2 = prompts()
+    reqs = [Request(p0, 40, GREEDY, ignore_eos=True, prompt_logprobs=1),
+            Request(p2, 4, GREEDY, ignore_eos=True, prompt_logprobs=1)]
+    eng = make(step09, tiny.model, num_blocks=12, max_num_batched_tokens=8)
     preempted, original = [], eng.scheduler._preempt
-    eng.scheduler._preempt = lambda seq: (preempted.append(seq.in_prefill), original(seq))
+    eng.scheduler._preempt = lambda seq: (preempted.append((len(seq.prompt_logprobs), seq.in_prefill)), original(seq))
     outs = run(eng, reqs)
-    assert preempted                                                # 真的抢占过
+    assert any(0 < n < len(p2) - 1 and in_prefill for n, in_prefill in preempted), preempted   # 攒到一半时被抢占
     for r, per in zip(reqs, outs):
         delivered = [o.prompt_logprobs for o in per if o.prompt_logprobs is not None]
         assert len(delivered) == 1
         check_prompt_logprobs(delivered[0], r.prompt_ids, teacher_forced(tiny.model, r.prompt_ids), 1)
-        assert sum(len(o.new_token_ids) for o in per) == 20
+        assert sum(len(o.new_token_ids) for o in per) == r.max_new_tokens
 
 
 def test_request_checks_logprob_fields():
