@@ -17,7 +17,7 @@ scheduler.py），plan 给出这 1 + k 个位置各自的 logits（kv_cache.py�
 没有猜测的请求走同一个 verify：空猜测时它就是 step08 的那一次 sample()，spec_method="none" 与 step08 逐位相同；
 贪心时猜不猜输出都逐 token 相同，抽样时分布相同。接受率一直很低的请求暂停猜测一阵（SPEC_WINDOW 等常数）。
 
-logprobs（step11 的服务器要的，不属于投机解码；step09 是服务器默认挂的引擎里最早的一步，所以从这里开始有）：
+logprobs（第 11 章的服务器要的，不属于投机解码；这是服务器默认挂的引擎里最早的一步，所以从这里开始有）：
 请求要了 logprobs 时，每个新 token 带上它在模型原始分布 log_softmax(logits) 里的 logprob 和最可能的 k 个
 （token_logprobs；投机的一步里每个接受的猜测和最后那个 token 各用自己那一行 verify 的 logits）；要了 prompt_logprobs
 时，plan 为它的提示词位置多排 logits 行（分块 prefill 的每一块各算各的），max_new_tokens 0 时 prefill 完就结束、不采样。

@@ -19,7 +19,7 @@ broadcast），其余 rank 的 ModelRunner 收到计划，照做拷贝、调用�
 rank 0。块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，
 池子能放 TP 倍的 token。
 
-logprobs（step11 的服务器要的，同 step09）：请求要了 logprobs 时，每个新 token 带上它在模型原始分布 log_softmax(logits)
+logprobs（第 11 章的服务器要的，同 step09）：请求要了 logprobs 时，每个新 token 带上它在模型原始分布 log_softmax(logits)
 里的 logprob 和最可能的 k 个（token_logprobs）；要了 prompt_logprobs 时，plan 为它的提示词位置多排 logits 行，
 这些位置也写在广播的计划里（step_message.py），每个 rank 的 lm_head 算同样的行。
 """
