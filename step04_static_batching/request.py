@@ -2,6 +2,8 @@
 
 Request 只描述用户要什么：提示词、最多生成几个 token、采样参数、是否忽略 EOS、停止字符串。
 step05 起的引擎沿用同一个 Request（什么时候到达不是请求的属性：调用方什么时候 add_request，它就什么时候到）。
+logprobs / prompt_logprobs 是服务器（step11）要的：只有 step09、step10 的引擎算它们，更早的引擎不看这两项
+（服务器对那些引擎回 400，见 docs/11 的 logprobs 一节）。
 Sequence 是批里的一行（vLLM / nano-vllm 也叫 Sequence）：已生成的 token、是否已结束、它自己的随机数发生器、
 首 token 与结束的时刻。step05 起每个引擎有自己的 Sequence（再加上分页的状态：块表、已进池子的 token 数……）。
 """
@@ -21,13 +23,22 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)   # 默认贪心
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()        # 停止字符串：新生成的文本里出现任一个就停（同 step02 / step03）
+    # 每个新 token 的 logprob 与最可能的这么多个（0 = 只要采样出的那个；None = 不要）。vLLM 的 SamplingParams.logprobs
+    logprobs: Optional[int] = None
+    # 提示词每个 token 的（第一个没有前文）；给了它 max_new_tokens 可以是 0：只 prefill、不采样。vLLM 的 prompt_logprobs
+    prompt_logprobs: Optional[int] = None
 
     def validate(self, context_len: int) -> None:
         """非法输入抛 UserError：在任何一个请求开始生成之前，先把所有请求都检查一遍。"""
         if not self.prompt_ids:
             raise UserError("empty prompt")
-        if self.max_new_tokens <= 0:
-            raise UserError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.prompt_logprobs is None):
+            raise UserError(f"max_new_tokens must be > 0 (0 only with prompt_logprobs: prefill only), "
+                            f"got {self.max_new_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+                raise UserError(f"{name} must be None or an integer >= 0, got {k!r}")
         if len(self.prompt_ids) + self.max_new_tokens > context_len:
             raise UserError(f"prompt has {len(self.prompt_ids)} tokens; with max_new_tokens {self.max_new_tokens} "
                             f"that exceeds the model's context of {context_len} tokens")

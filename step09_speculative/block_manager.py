@@ -96,9 +96,13 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """从第 0 块起逐块查：算 key、查表、核对原像（前一块正是上一步命中的那块，token 完全相同）。第一次查不到
         或核对不上就停。最多到倒数第二个 token 所在的块之前：至少留一个 token 要算，它的 logits 才给出下一个 token。
-        只读，不改引用计数（调度器确定放得下之后 allocate_seq 再接手）。"""
+        只读，不改引用计数（调度器确定放得下之后 allocate_seq 再接手）。
+        step09：还要 prompt logprobs 的位置（seq.prompt_logits）不从缓存拿——要的正是这些位置的 logits，命中就不算了
+        （vLLM 对要 prompt logprobs 的请求同样不读前缀缓存）。它算出的满块照常登记，别的请求照样命中。"""
         bs, token_ids, parent_key, parent = self.block_size, seq.token_ids, None, None
         max_blocks = (len(token_ids) - 1) // bs if self.enable_caching else 0
+        if seq.prompt_logits:
+            max_blocks = min(max_blocks, seq.prompt_logits.start // bs)
         blocks = []
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -47,6 +47,9 @@ step09：验证猜测。decode 中带着 k 个猜测的请求这一步算 k+1 �
 新 K/V（paged 时就是内核的 query 数 = k+1）。不同的只有两点：要算的 token 取自 token_ids + spec_token_ids
 （猜测不是请求的 token）；这 k+1 个位置每个都要 logits（第 i 个位置的 logits 判断第 i+1 个猜测）。
 被拒绝的猜测写进去的 K/V 留在槽里不管：num_computed_tokens 不把它们算进去，之后写这些位置时直接覆盖。
+
+step09 还给服务器的 prompt logprobs 多排 logits 行（plan 的 prompt_logits）：要了它的请求，这一块里每个还要的
+提示词位置都算 logits（prompt_rows），只为这个请求、只在它的 prefill 里；别的请求照旧只算采样的那一行。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -100,12 +103,13 @@ class PagedKVCache:
         """池子实际占的字节（码 + scale；含从不分配的空块）。"""
         return sum(t.nbytes for t in self.tensors())
 
-    def plan(self, seqs, num_new_tokens: list[int]) -> "FlatAttentionMetadata":
+    def plan(self, seqs, num_new_tokens: list[int], prompt_logits: Optional[list[range]] = None) -> "FlatAttentionMetadata":
         """seqs[i] 这一步算 num_new_tokens[i] 个 token（从它的 num_computed_tokens 起），排成一行 (1, T)。
         只算 1 个的（decode，或 prefill 恰好只分到 1 个 token）排在行首，其余（prefill 的块、验证猜测的 k+1 个）
         依次接在后面（gather 读法按这个顺序切段）。算到最后一个 token 的请求要采样：logits_index 按 seqs 的顺序给出
         它的最后一个 token 在行里的下标（验证猜测的请求：最后 k+1 个），logits_rows[i] 是 seqs[i] 在模型返回的
-        logits 里的行（不采样的为空）。
+        logits 里的行（不采样的为空）。prompt_logits[i]（Sequence.prompt_logits）：seqs[i] 还要 logits 的提示词位置，
+        落在这一步的那几个排在它采样的行之前，prompt_rows[i] 是它们在 logits 里的行（按位置的顺序）。
         调度器负责让块表覆盖到要算的最后一个位置；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
         bs, dev = self.block_size, self.pool.device
         order = [i for i, n in enumerate(num_new_tokens) if n == 1] + [i for i, n in enumerate(num_new_tokens) if n > 1]
@@ -128,10 +132,14 @@ class PagedKVCache:
             tables.append(table)
             seq_lens.append(end)
         width = max(map(len, tables))
-        logits_index, logits_rows = [], []
+        logits_index, logits_rows, prompt_rows = [], [], []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            c, want = seq.num_computed_tokens, prompt_logits[i] if prompt_logits is not None else range(0)
+            lo, hi = max(c, want.start), min(c + n, want.stop)     # 这一块里还要 logits 的提示词位置
+            prompt_rows.append(range(len(logits_index), len(logits_index) + max(hi - lo, 0)))
+            logits_index += range(start[i] + lo - c, start[i] + hi - c)
             # 采样的请求：它的最后一个 token；验证猜测的：最后 k+1 个（第 i 个位置的 logits 判断第 i+1 个猜测）
-            k = 1 + len(seq.spec_token_ids) if seq.num_computed_tokens + n == seq.num_tokens_with_spec else 0
+            k = 1 + len(seq.spec_token_ids) if c + n == seq.num_tokens_with_spec else 0
             logits_rows.append(range(len(logits_index), len(logits_index) + k))
             logits_index += range(start[i] + n - k, start[i] + n)
 
@@ -141,7 +149,7 @@ class PagedKVCache:
             self.pool, tensor([input_ids]), tensor([positions]), tensor(slots),
             tensor([t + [self.null_block] * (width - len(t)) for t in tables], torch.int32),   # 较短的块表用空块补齐
             tensor(seq_lens, torch.int32), tensor([num_new_tokens[i] for i in order], torch.int32),
-            tensor(logits_index), logits_rows)
+            tensor(logits_index), logits_rows, prompt_rows=prompt_rows)
         if self.attention == "gather":   # 参考读法：按段 gather（gather.py）
             flat.segments = plan_segments(self, seqs, num_new_tokens)
         return flat
@@ -162,6 +170,7 @@ class FlatAttentionMetadata(KVCache):
                                   #         验证猜测的请求是它最后 k+1 个 token 的下标
     logits_rows: list[range]      # 与 plan 的 seqs 一一对应：它在 logits（n 行）里的行；这一步不采样的为空
     segments: Optional[list[AttentionMetadata]] = None   # 只在 --attention gather 时有：按段读（gather.py）
+    prompt_rows: Optional[list[range]] = None   # step09：与 seqs 一一对应，它这一步的提示词位置在 logits 里的行（prompt logprobs）
     mask = None                   # paged 不用掩码；gather 的掩码在每一段上
 
     @property

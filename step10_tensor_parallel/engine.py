@@ -18,6 +18,10 @@ rank 0 上。rank 0 的 step() 在调度之后把计划（连同这一步换出 
 broadcast），其余 rank 的 ModelRunner 收到计划，照做拷贝、调用同一个 kv_cache.plan、跑同一次前向；logits 只回到
 rank 0。块号、槽号在每个 rank 上相同，只是每个 rank 的块里存的是它自己的 KV 头——所以同样的每 rank 内存，
 池子能放 TP 倍的 token。
+
+logprobs（第 11 章的服务器要的，同 step09）：请求要了 logprobs 时，每个新 token 带上它在模型原始分布 log_softmax(logits)
+里的 logprob 和最可能的 k 个（token_logprobs）；要了 prompt_logprobs 时，plan 为它的提示词位置多排 logits 行，
+这些位置也写在广播的计划里（step_message.py），每个 rank 的 lm_head 算同样的行。
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,7 +42,7 @@ from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
 from .quant import KV_DTYPE_CHOICES, kv_format
 from .rejection_sampler import verify
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import RequestOutput, Sequence
+from .sequence import Logprob, RequestOutput, Sequence
 from .step_message import encode_plan, plan_numel
 
 DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
@@ -115,8 +119,9 @@ def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: float =
 
 
 def blocks_needed(r: Request, block_size: int) -> int:
-    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""
-    return -(-(len(r.prompt_ids) + r.max_new_tokens - 1) // block_size)
+    """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token
+    （N = 0 只 prefill：整个提示词）。"""
+    return -(-(len(r.prompt_ids) + max(r.max_new_tokens, 1) - 1) // block_size)
 
 
 @dataclass
@@ -125,6 +130,17 @@ class SpecStats:
     proposed: int = 0         # 验证过的猜测
     accepted: int = 0         # 其中被接受的
     verifications: int = 0    # 带着猜测的验证（一个请求一次前向算一次）
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[Logprob]:
+    """logits (m, V) 的第 i 行 → token_ids[i] 的 logprob 与最可能的 k 个 (id, logprob)，从大到小。
+    分布是模型的原始输出 log_softmax(logits)：不经重复惩罚、温度、top-k/p（vLLM V1 的默认 logprobs_mode="raw_logprobs"），
+    说的是"模型认为这个 token 多可能"，与这个请求怎么采样无关——贪心和抽样的请求在同一个位置得到同一个数。"""
+    lp = torch.log_softmax(logits.float(), dim=-1)                                       # (m, V)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()                                   # (m,)
+    top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)                              # (m, k)：从大到小
+    return [Logprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
 
 
 class GenerateOutput(NamedTuple):
@@ -221,8 +237,9 @@ class LLMEngine:
             copies = self.swap.take_copies() if self.swap is not None else []
             plan = encode_plan(batch.seqs, batch.num_new_tokens, copies, self.parallel.plan_numel)
             self.parallel.broadcast_plan(plan)
-        fwd, logits = self.runner.run(batch.seqs, batch.num_new_tokens)    # 这次前向的地址信息与 logits
-        new = self._postprocess(batch, logits.flatten(0, 1), fwd.logits_rows)   # logits: (R, V)
+        prompt_logits = [seq.prompt_logits for seq in batch.seqs]
+        fwd, logits = self.runner.run(batch.seqs, batch.num_new_tokens, prompt_logits)   # 这次前向的地址信息与 logits
+        new = self._postprocess(batch, logits.flatten(0, 1), fwd.logits_rows, fwd.prompt_rows)   # logits: (R, V)
         self._record(batch, fwd, self.clock.now() - t0, new)
         for o in new:
             if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
@@ -288,17 +305,33 @@ class LLMEngine:
         """None = 每个 rank 都还在（一个进程时总是 None）；否则是让这一组停下的错误，一行，说出原因。不通信、不阻塞。"""
         return self.parallel.check_health() if self.parallel is not None else None
 
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range],
+                     prompt_rows: list[range]) -> list[RequestOutput]:
         """每个请求的 K/V 往前推它这一步算的 token 数，猜测先不算；算到了最后一个 token 的请求验证它的猜测
         （prefill 的前几块不采样）：接受的猜测 + 一个目标模型的 token 依次 append（遇到结束条件就停，后面的扔掉）。
         接受的猜测的 K/V 这次前向已经写进池子，算进 num_computed_tokens；被拒绝的不算——这就是回滚，它们的槽以后被覆盖。
-        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。"""
+        这一步的 token 一起产出（记下同一个时刻）；结束的请求由 step() 记完账后立刻还块。
+        logprobs：prompt_rows 是这一块里还要的提示词位置（接着已攒的往后），采样的 token 各用自己那一行。"""
         outputs, now = [], self.clock.now()
-        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logits_rows):
+        for seq, n, rows, prows in zip(batch.seqs, batch.num_new_tokens, logits_rows, prompt_rows):
             spec = seq.spec_token_ids
+            if prows:                                      # 位置 p 的 logits 给出第 p+1 个提示词 token 的 logprob
+                first = len(seq.prompt_logprobs) + 1
+                seq.prompt_logprobs += token_logprobs(logits[prows.start:prows.stop],
+                                                      seq.request.prompt_ids[first:first + len(prows)],
+                                                      seq.request.prompt_logprobs)
             seq.num_computed_tokens += n - len(spec)
             if not rows:                                   # plan 没给 logits 行：prefill 还没算完
                 self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
+                continue
+            # 提示词的 logprobs 在 prefill 算完的这一步交出去，只交一次（被抢占后重算时 first_token_time 已经有了）
+            prompt_lps = ([None] + seq.prompt_logprobs if seq.request.prompt_logprobs is not None
+                          and seq.first_token_time is None else None)
+            if seq.request.max_new_tokens == 0:            # 只要 prompt logprobs：prefill 完就结束，不采样
+                self.block_manager.cache_full_blocks(seq)
+                seq.finish_time = now
+                outputs.append(RequestOutput(seq.request_id, [], True, "length", seq.num_cached_tokens,
+                                             prompt_logprobs=prompt_lps))
                 continue
             # logits 的这 1 + k 行：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
             # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
@@ -326,7 +359,10 @@ class LLMEngine:
                 seq.first_token_time = now
             if reason is not None:
                 seq.finish_time = now
-            outputs.append(RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_cached_tokens))
+            k = seq.request.logprobs                  # 第 i 个新 token 由第 i 行决定（接受的猜测、更正或奖励 token）
+            lps = token_logprobs(logits[rows.start:rows.start + len(new)], new, k) if k is not None else None
+            outputs.append(RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_cached_tokens,
+                                         logprobs=lps, prompt_logprobs=prompt_lps))
         return outputs
 
     def _count_spec(self, seq: Sequence, proposed: int, accepted: int) -> None:

@@ -1,7 +1,7 @@
 """一个 rank 上的模型执行：本 rank 的 KV 池子、本 rank 那一份模型、第二层（--preempt swap），给一步的计划跑一次前向。
 
     ModelRunner(model, config, parallel)   建池子（与第二层）；model 是本 rank 的那一份（parallel_layers.py）
-    run(seqs, num_new_tokens)              kv_cache.plan 排出这次前向的地址信息，跑前向：返回 (fwd, logits)
+    run(seqs, num_new_tokens, prompt_logits)   kv_cache.plan 排出这次前向的地址信息，跑前向：返回 (fwd, logits)
     run_worker()                           rank ≠ 0：收 rank 0 的计划 → 照做换出 / 换入 → run，直到 END
     close()                                结束这个引擎：rank 0 发 END，每个 rank 交出自己的通信账
 
@@ -38,10 +38,11 @@ class ModelRunner:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
 
-    def run(self, seqs, num_new_tokens: list[int]):
+    def run(self, seqs, num_new_tokens: list[int], prompt_logits=None):
         """一次前向：返回 (fwd, logits)。fwd 是这次前向的地址信息（kv_cache.plan）；logits (1, R, V) 只在 rank 0 上有，
-        其他 rank 是 None。seqs 在 rank 0 上是 Sequence，在 worker 上是 step_message.WorkerSeq（plan 读的几项同名）。"""
-        fwd = self.kv_cache.plan(seqs, num_new_tokens)
+        其他 rank 是 None。seqs 在 rank 0 上是 Sequence，在 worker 上是 step_message.WorkerSeq（plan 读的几项同名）。
+        prompt_logits：plan 的同名参数（要 prompt logprobs 的请求还要 logits 的提示词位置）。"""
+        fwd = self.kv_cache.plan(seqs, num_new_tokens, prompt_logits)
         return fwd, self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index)
 
     @torch.inference_mode()
@@ -51,7 +52,7 @@ class ModelRunner:
         while (plan := decode_plan(self.parallel.broadcast_plan())) is not None:
             if self.swap is not None:
                 self.swap.replay(plan.swap_copies)
-            self.run(plan.seqs, plan.num_new_tokens)
+            self.run(plan.seqs, plan.num_new_tokens, plan.prompt_logits)
         self.close()
 
     def close(self) -> list[dict]:

@@ -4,10 +4,12 @@ Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生�
 前缀缓存的账、这一轮 prefill 要算到哪（num_prefill_tokens）、状态（含被换出的 SWAPPED）、被抢占的次数，以及计时用的几个时刻（都来自
 引擎的时钟）。step09 加的投机解码：decode 中的请求每步可以带几个猜测（spec_token_ids，提议者给出）一起进前向；
 猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来；spec_* 另几项是按请求的接受率账。
+logprobs（服务器要的，docs/11）：RequestOutput 带着每个新 token 的 Logprob；请求要了 prompt_logprobs 时，
+提示词各位置的 Logprob 跨分块 prefill 攒在 Sequence.prompt_logprobs 里，prefill 算完的那一步一次交出去。
 """
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -23,6 +25,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"   # 生成完毕或被 abort，块已还回去
 
 
+class Logprob(NamedTuple):
+    """一个位置的 logprob：模型的原始分布 log_softmax(logits) 里这个 token 的 log 概率，与最可能的 k 个（engine.token_logprobs）。"""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]   # (token id, logprob)，从大到小
+
+
 @dataclass
 class RequestOutput:
     """step() 的返回值里每个请求一项：这一步新产出的 token、是否结束、为什么结束。"""
@@ -32,6 +41,9 @@ class RequestOutput:
     finish_reason: Optional[str] = None   # "stop"（EOS 或停止字符串）/ "length"（max_new_tokens）/ "abort"
     num_cached_tokens: int = 0            # 提示词里有几个 token 直接用了前缀缓存
     error: Optional[Exception] = None      # finish_reason 为 "error" 时：这个请求自己的采样或猜测抛出的异常
+    logprobs: Optional[list[Logprob]] = None   # 请求要了 logprobs 时：与 new_token_ids 一一对应
+    # 请求要了 prompt_logprobs 时，只在 prefill 算完的那一步给一次：提示词每个 token 一项，第 0 个没有前文，是 None
+    prompt_logprobs: Optional[list[Optional[Logprob]]] = None
 
 
 @dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两个（`in`、list.remove 按身份比较）
@@ -62,6 +74,7 @@ class Sequence:
     num_spec_accepted: int = 0    # 其中被接受的
     spec_recent: list[float] = field(default_factory=list)   # 最近几次验证各自的接受率（按请求关掉投机用）
     spec_paused_steps: int = 0    # > 0：接受率太低，这么多步里不猜（engine.py 的 SPEC_* 常数）
+    prompt_logprobs: list[Logprob] = field(default_factory=list)   # 提示词第 1、2…… 个 token 的，按位置攒（prompt_logits）
 
     def __post_init__(self):
         self.num_prefill_tokens = len(self.request.prompt_ids)
@@ -71,6 +84,15 @@ class Sequence:
         """还在（重新）prefill：K/V 还没算到 num_prefill_tokens。算完的那一步采样出 token，之后是 decode
         （num_computed_tokens = num_tokens − 1：最后一个 token 刚采样出来，还没算）。"""
         return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def prompt_logits(self) -> range:
+        """请求要了 prompt_logprobs 时还要 logits 的提示词位置：位置 p 的 logits 给出第 p+1 个提示词 token 的 logprob，
+        所以是 已攒的个数 .. 提示词长 − 2（被抢占后重算时已攒的不再算）。plan 为它们多排 logits 行；前缀缓存不替它们算
+        （block_manager.match_prefix）。"""
+        if self.request.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs), len(self.request.prompt_ids) - 1)
 
     @property
     def num_tokens(self) -> int:

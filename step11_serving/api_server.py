@@ -36,6 +36,7 @@ from common.errors import UserError
 
 from . import protocol as P
 from .async_engine import STALL_S, AsyncLLMEngine, EngineUnavailable, RequestFailed, RequestHandle, ServerBusy
+from .logprobs import ChoiceExtras
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("step11_serving")
@@ -50,11 +51,17 @@ class ServerSettings:
     api_key: Optional[str] = None
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1        # 503 时告诉客户端多久以后再试
+    max_logprobs: Optional[int] = None   # logprobs 的 k 的上限（vLLM 的 max_logprobs）；None = 引擎不算 logprobs
 
 
-def settings_for(session, engine, block_size: int, **kw) -> ServerSettings:
+DEFAULT_MAX_LOGPROBS = 20         # 与 vLLM 的 max_logprobs 默认值相同
+
+
+def settings_for(session, engine, block_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **kw) -> ServerSettings:
+    from .engines import computes_logprobs
     return ServerSettings(Path(session.path).name, session.cfg.max_position_embeddings, session.cfg.vocab_size,
-                          engine.block_manager.num_blocks * block_size, **kw)
+                          engine.block_manager.num_blocks * block_size,
+                          max_logprobs=max_logprobs if computes_logprobs(engine) else None, **kw)
 
 
 class AbortOnExitStreamingResponse(StreamingResponse):
@@ -197,7 +204,9 @@ def default_max_tokens(s: ServerSettings, ids: list[int]) -> int:
 
 
 # ---------- 提交给异步引擎，返回流式或完整的响应 ----------
-async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float):
+async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_prompts: int, arrival: float,
+                 echo: Optional[list[str]] = None):
+    """echo：completions 的 echo 时每个提示词的文本（choice i 用第 i // n 个）。"""
     aengine, s = request.app.state.aengine, request.app.state.settings
     try:
         handle = await aengine.add(inputs.requests, arrival, request.state.request_id)
@@ -209,6 +218,9 @@ async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_
         raise P.APIError(503, str(e), "server_error") from None
     shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
     n = req.n
+    wants_logprobs = req.logprobs is True if chat else req.logprobs is not None   # completions 的 logprobs: 0 也算
+    extras = ChoiceExtras(request.app.state.tok, chat, wants_logprobs, [r.prompt_ids for r in inputs.requests],
+                          None if echo is None else [echo[i // n] for i in range(len(inputs.requests))])
 
     def usage() -> dict:
         cached = sum(handle.cached_tokens[p * n] for p in range(num_prompts))   # 每个提示词的第一个样本
@@ -216,14 +228,17 @@ async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage))
+        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage, extras))
     try:
-        texts, reasons = await until_done_or_disconnect(request, collect(handle))
+        texts, reasons = await until_done_or_disconnect(request, collect(handle, extras))
     finally:
         handle.abort()
     if texts is None:                           # 客户端已经走了：这个响应没人收
         return Response(status_code=499)
-    return JSONResponse(shape.full(texts, reasons, usage(), handle))
+    logprobs = None
+    if extras.active:                           # echo 的提示词、logprobs
+        texts, logprobs = map(list, zip(*(extras.full(i, t) for i, t in enumerate(texts))))
+    return JSONResponse(shape.full(texts, reasons, usage(), handle, logprobs if wants_logprobs else None))
 
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])    # 要 API key 的端点
@@ -239,7 +254,7 @@ async def chat_completions(request: Request):
     check_model(s, req.model)
     ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages)   # 模板与分词不占事件循环
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids))
+    inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
     return await submit(request, req, inputs, True, 1, arrival)
 
 
@@ -254,8 +269,12 @@ async def completions(request: Request):
     except UserError as e:
         raise P.APIError(400, str(e), param="prompt") from None
     max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
-    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids))
-    return await submit(request, req, inputs, False, len(prompts), arrival)
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
+    echo = None
+    if req.echo:   # 字符串提示词原样带回（与 OpenAI、vLLM 相同），token id 的提示词带回它的解码
+        raw = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        echo = [r if isinstance(r, str) else request.app.state.tok.decode(ids) for r, ids in zip(raw, prompts)]
+    return await submit(request, req, inputs, False, len(prompts), arrival, echo)
 
 
 def model_card(request: Request) -> dict:
@@ -322,9 +341,11 @@ async def index():
     return FileResponse(STATIC / "index.html")
 
 
-async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage):
+async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage,
+                     extras: Optional[ChoiceExtras] = None):
     """Delta → SSE chunk。chat 每个样本先发一个只有 role 的 chunk（它的第一个输出到来时，与 vLLM 相同）；
-    没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发，除非客户端要了 token id。"""
+    没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发，除非客户端要了 token id 或 logprobs。
+    extras：echo 的提示词在每个样本的第一个 chunk 里；logprobs 跟着各自的 token。"""
     extra = {"usage": None} if include_usage else {}
     started = set()
     try:
@@ -332,8 +353,10 @@ async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usag
             if shape.chat and d.index not in started:
                 started.add(d.index)
                 yield P.sse({**shape.role_chunk(d.index), **extra})
-            if d.text or d.finish_reason or (shape.with_token_ids and d.token_ids):   # 要 token id 时一个也不能少
-                yield P.sse({**shape.delta_chunk(d.index, d.text, d.finish_reason, d.token_ids), **extra})
+            text, lps = extras.chunk(d) if extras is not None and extras.active else (d.text, None)
+            if (text or d.finish_reason or (shape.with_token_ids and d.token_ids)   # 要 token id 时一个也不能少
+                    or (lps is not None and (d.logprobs or d.prompt_logprobs))):  # logprobs 也是
+                yield P.sse({**shape.delta_chunk(d.index, text, d.finish_reason, d.token_ids, lps), **extra})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))
     except (EngineUnavailable, RequestFailed) as e:   # 响应头已经发出，只能在流里报错（vLLM 也这样）
@@ -348,12 +371,14 @@ def error_for(e: Exception) -> P.APIError:
     return P.APIError(503, str(e), "server_error")
 
 
-async def collect(handle: RequestHandle):
+async def collect(handle: RequestHandle, extras: Optional[ChoiceExtras] = None):
     texts, reasons = [""] * len(handle.requests), [None] * len(handle.requests)
     try:
         async for d in handle.deltas():
             texts[d.index] += d.text
             reasons[d.index] = d.finish_reason or reasons[d.index]
+            if extras is not None:
+                extras.add(d)
     except (EngineUnavailable, RequestFailed) as e:
         raise error_for(e) from None
     return texts, reasons
@@ -427,6 +452,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES), help=f"服务哪一步的引擎（默认 {DEFAULT_ENGINE}）")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="请求体上限（字节），超过回 413")
+    p.add_argument("--max-logprobs", type=positive_int, default=DEFAULT_MAX_LOGPROBS,
+                   help=f"logprobs / top_logprobs 的 k 至多多少（默认 {DEFAULT_MAX_LOGPROBS}，同 vLLM），超过回 400")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="关闭时最多等进行中的响应几秒，之后取消它们")
     p.add_argument("--stall-timeout", type=float, default=STALL_S,
                    help="引擎的一步超过这么多秒还没完成，/health 就回 503（让 supervisor 重启卡住的进程）")
@@ -463,7 +490,7 @@ def main(argv=None) -> None:
             sys.exit(2)
         aengine = AsyncLLMEngine(engine, session.tok, args.max_waiting, stall_s=args.stall_timeout)
         settings = settings_for(session, engine, args.block_size, api_key=args.api_key,
-                                max_body_bytes=args.max_body_bytes)
+                                max_body_bytes=args.max_body_bytes, max_logprobs=args.max_logprobs)
         app = build_app(aengine, session.tok, settings)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:

@@ -63,6 +63,11 @@ class Delta:
     text: str                           # 可以显示的新文本（完整的字符，不含停止字符串）
     token_ids: list[int]                # 这一步新产出的 token
     finish_reason: Optional[str] = None  # 最后一个 Delta 才有："stop" / "length" / "abort"
+    # 请求要了 logprobs 时（step09 起的引擎）：与 token_ids 一一对应的 Logprob，和每个 token 的第一个字节落在
+    # 生成文本的第几个字符；prompt_logprobs 只在第一个 Delta 里（提示词每个 token 一项，第 0 个为 None）
+    logprobs: Optional[list] = None
+    text_offsets: Optional[list[int]] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class RequestHandle:
@@ -272,8 +277,9 @@ class AsyncLLMEngine:
         if out.finish_reason == "error":                   # 引擎在这个请求的后处理（采样……）里出错，已经把它结束了
             err = getattr(out, "error", None)
             raise RequestFailed(f"{type(err).__name__}: {err}" if err is not None else "the engine failed this request")
-        det, text, kept = h.detoks[i], "", []
+        det, text, kept, offsets = h.detoks[i], "", [], []
         for t in out.new_token_ids:                        # 一个一个喂：投机解码一步出几个 token，停止串之后的不要
+            offsets.append(len(det.text))                  # logprobs 的 text_offset：这个 token 之前已解码出的字符数
             text += det.push([t])
             kept.append(t)
             if det.stopped:
@@ -284,14 +290,17 @@ class AsyncLLMEngine:
             if h.first_token[i] is None:
                 h.first_token[i] = now
                 h.cached_tokens[i] = getattr(out, "num_cached_tokens", 0)   # step05 没有前缀缓存
+        lps = getattr(out, "logprobs", None)              # step09 起的引擎才有这两项
+        extra = dict(logprobs=None if lps is None else lps[:len(kept)], text_offsets=None if lps is None else offsets,
+                     prompt_logprobs=getattr(out, "prompt_logprobs", None))
         if det.stopped or out.finished:
             del self._live[out.request_id]
             if not out.finished:                           # 停止串是这里找到的：引擎还不知道，下一步之前取消它
                 self.engine.abort(out.request_id)
             reason = "stop" if det.stopped else out.finish_reason
-            self._finish(h, i, reason, now, text + det.finish(), kept)
+            self._finish(h, i, reason, now, text + det.finish(), kept, **extra)
         else:
-            h.queue.put_nowait(Delta(i, text, kept))
+            h.queue.put_nowait(Delta(i, text, kept, **extra))
 
     def _fail_request(self, h: RequestHandle, e: BaseException) -> None:
         """一个请求的失败：它还没结束的样本全部从引擎里取消（块立刻还回去），处理函数收到 RequestFailed。"""
@@ -307,9 +316,9 @@ class AsyncLLMEngine:
                 self.metrics.vllm_finished("error", h.times[i], now)
         h.queue.put_nowait(e if isinstance(e, RequestFailed) else RequestFailed(f"{type(e).__name__}: {e}"))
 
-    def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=()) -> None:
+    def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=(), **extra) -> None:
         h.finish_reasons[i] = reason
-        h.queue.put_nowait(Delta(i, text, list(token_ids), reason))
+        h.queue.put_nowait(Delta(i, text, list(token_ids), reason, **extra))
         self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
                                       len(h.token_ids[i]), h.arrival, h.first_token[i], now)
         self.metrics.vllm_finished(reason, h.times[i], now)

@@ -23,6 +23,8 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
 }
 DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
+# 算 logprobs 的（Request.logprobs / prompt_logprobs → RequestOutput 里带着）；更早的引擎不看这两项，服务器回 400
+LOGPROBS_ENGINES = {"step09", "step10"}
 # 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
 FLAG_NAMES = {"enable_prefix_caching": "--prefix-cache"}
 
@@ -37,6 +39,11 @@ def engine_module(name: str):
     if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget", "DEFAULT_KV_MIB")):
         raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
     return mod
+
+
+def computes_logprobs(engine) -> bool:
+    """这个引擎对象来自 LOGPROBS_ENGINES 里的一步吗（按它的类所在的包判断）。"""
+    return type(engine).__module__.split(".")[0] in {ENGINES[n] for n in LOGPROBS_ENGINES}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:

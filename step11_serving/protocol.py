@@ -5,7 +5,9 @@
 - 流式（SSE，每个事件一行 `data: <json>` 加一个空行）：每个 chunk 的 id 与 created 相同；chat 先发一个只有
   role 的 chunk，之后是 delta.content，最后一个带 finish_reason；stream_options.include_usage 时再发一个
   choices 为空、带 usage 的 chunk（此前每个 chunk 的 usage 都是 null）；最后是 `data: [DONE]`；
-- 错误：{"error": {"message", "type", "param", "code"}}，code 是 HTTP 状态码（vLLM 的做法）。
+- 错误：{"error": {"message", "type", "param", "code"}}，code 是 HTTP 状态码（vLLM 的做法）；
+- logprobs（completions 的 `logprobs: k` 与 `echo`，chat 的 `logprobs: true, top_logprobs: k`）：只有算它们的引擎
+  （step09、step10）接受，k 至多 --max-logprobs；线上的形状在 logprobs.py。
 
 数值字段严格按 JSON 类型检查（"0.5" 不是数字、"yes" 不是布尔值），取值范围由 step02 的 SamplingParams.validate
 和引擎的 add_request 检查——同一份规则，命令行和 HTTP 给出同样的错误信息。
@@ -88,7 +90,6 @@ class _SamplingRequest(_Model):
     return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
     user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
     # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
-    logprobs: object = None
     presence_penalty: object = None
     frequency_penalty: object = None
     logit_bias: object = None
@@ -101,7 +102,8 @@ class _SamplingRequest(_Model):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[StrictInt] = None   # 新版 OpenAI 的名字；优先于 max_tokens
-    top_logprobs: object = None
+    logprobs: Optional[StrictBool] = None      # true：每个生成的 token 带 logprob（与最可能的 top_logprobs 个）
+    top_logprobs: Optional[StrictInt] = None
     tools: object = None
     tool_choice: object = None
     parallel_tool_calls: object = None
@@ -120,8 +122,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     # 一个字符串、一串 token id，或它们的列表（批量：choices 的 index = 第几个提示词 × n + 第几个样本）
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    logprobs: Optional[StrictInt] = None       # k：每个 token 的 logprob 与最可能的 k 个（旧格式）
+    echo: Optional[StrictBool] = None          # text 以提示词开头；与 logprobs 一起时提示词的 token 也带 logprob
     best_of: object = None
-    echo: object = None
     suffix: object = None
 
 
@@ -175,7 +178,7 @@ def validate_body(cls, obj: dict):
 # OpenAI（与 vLLM）有、这里没实现的字段 → 接受的值：都等于"没用这个功能"（OpenAI 的默认值）。别的值 400 指名字段，
 # 而不是 200 却没有效果。best_of 另外还接受等于 n。
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "best_of": (None, 1),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "suffix": (None, ""), "stop_token_ids": (None, []),
     "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
@@ -272,11 +275,36 @@ def sampling_params(req: _SamplingRequest) -> SamplingParams:
     return params
 
 
+def logprob_counts(req: _SamplingRequest, max_tokens: Optional[int],
+                   max_logprobs: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """→ 引擎 Request 的 (logprobs, prompt_logprobs)，None = 不要。completions：`logprobs: k`，echo 时提示词也要；
+    echo 且 max_tokens 0 时只 prefill，引擎要 prompt_logprobs 才有事可做（没要 logprobs 时按 0 算，响应里不带）。
+    chat：`logprobs: true` 与 `top_logprobs: k`（默认 0）。max_logprobs None：服务的引擎不算 logprobs。"""
+    if isinstance(req, ChatCompletionRequest):
+        name, k, prompt = "top_logprobs", (req.top_logprobs or 0) if req.logprobs else None, None
+        if not req.logprobs and req.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    else:
+        name, k = "logprobs", req.logprobs
+        prompt = k if req.echo else None
+        if max_tokens == 0 and prompt is None:
+            prompt = 0
+    if k is not None and k < 0:
+        raise APIError(400, f"{name} must be >= 0, got {k}", param=name)
+    if max_logprobs is None and (k is not None or prompt is not None):
+        which = "logprobs" if k is not None else "max_tokens"
+        raise APIError(400, f"{which}: this server's engine does not compute logprobs (serve with --engine step09 "
+                            f"or step10)", param=which)
+    if k is not None and k > max_logprobs:
+        raise APIError(400, f"{name} must be at most {max_logprobs} (the server's --max-logprobs), got {k}", param=name)
+    return k, prompt
+
+
 def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: Optional[int],
-                  default_max_tokens) -> EngineInputs:
+                  default_max_tokens, max_logprobs: Optional[int] = None) -> EngineInputs:
     """max_tokens 为 None 时用 default_max_tokens(prompt_ids)（chat：一直生成到上下文或池子放不下为止）。
     n 个样本的种子是 S, S+1, ..., S+n-1（Request.parallel_samples，与 step06 起 run.py 的 --n 相同），
-    所以与引擎直接生成的样本逐 token 相同。"""
+    所以与引擎直接生成的样本逐 token 相同。max_logprobs：logprobs 的 k 的上限（None = 引擎不算 logprobs）。"""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -284,13 +312,17 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(400, f"a stop string can have at most {MAX_STOP_CHARS} characters", param="stop")
-    if max_tokens is not None and max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
+    echo = bool(getattr(req, "echo", False))
+    if max_tokens is not None and (max_tokens < 0 or (max_tokens == 0 and not echo)):
+        raise APIError(400, f"max_tokens must be > 0{' (0 only with echo: true)' if hasattr(req, 'echo') else ''}, "
+                            f"got {max_tokens}", param="max_tokens")
+    logprobs, prompt_logprobs = logprob_counts(req, max_tokens, max_logprobs)
     params = sampling_params(req)
     requests = []
     for ids in prompts:
         n_new = max_tokens if max_tokens is not None else default_max_tokens(ids)
-        requests += Request(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop).parallel_samples(req.n)
+        requests += Request(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs).parallel_samples(req.n)
     return EngineInputs(requests, sum(len(ids) for ids in prompts))
 
 
@@ -332,13 +364,14 @@ class ResponseShape:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def delta_chunk(self, index: int, text: str, finish_reason: Optional[str], token_ids: list[int]) -> dict:
+    def delta_chunk(self, index: int, text: str, finish_reason: Optional[str], token_ids: list[int],
+                    logprobs: Optional[dict] = None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": index, "text": text}
         extra = {"token_ids": token_ids} if self.with_token_ids else {}
-        return self._chunk({**choice, "logprobs": None, "finish_reason": finish_reason, **extra})
+        return self._chunk({**choice, "logprobs": logprobs, "finish_reason": finish_reason, **extra})
 
     def _chunk(self, choice: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -347,12 +380,13 @@ class ResponseShape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": u}
 
     # 非流式
-    def full(self, texts: list[str], finish_reasons: list[str], u: dict, handle=None) -> dict:
-        """handle：with_token_ids 时从它取每个样本的提示词 / 输出 token 和前缀缓存命中数（num_cached_tokens 是我们的扩展）。"""
+    def full(self, texts: list[str], finish_reasons: list[str], u: dict, handle=None, logprobs=None) -> dict:
+        """handle：with_token_ids 时从它取每个样本的提示词 / 输出 token 和前缀缓存命中数（num_cached_tokens 是我们的扩展）。
+        logprobs：每个 choice 的 logprobs（logprobs.py 的形状），None = 没要。"""
         choices = []
         for i, (t, f) in enumerate(zip(texts, finish_reasons)):
             body = {"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}
-            c = {"index": i, **body, "logprobs": None, "finish_reason": f}
+            c = {"index": i, **body, "logprobs": logprobs[i] if logprobs else None, "finish_reason": f}
             if self.with_token_ids:
                 c.update(prompt_token_ids=handle.requests[i].prompt_ids, token_ids=handle.token_ids[i],
                          num_cached_tokens=handle.cached_tokens[i])

@@ -412,7 +412,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(fake_server
         (C, {**chat, "stream": "yes"}, 400), (C, {**chat, "stream_options": {"include_usage": True}}, 400),
         (C, {**chat, "ignore_eos": "no"}, 400), (C, {**chat, "logprobs": True}, 400),
         (K, {**comp, "prompt": ""}, 400), (K, {"model": MODEL}, 400), (K, {**comp, "prompt": [10**9]}, 400),
-        (K, {**comp, "prompt": "长" * 3000}, 400), (K, {**comp, "prompt": []}, 400), (K, {**comp, "echo": True}, 400),
+        (K, {**comp, "prompt": "长" * 3000}, 400), (K, {**comp, "prompt": []}, 400), (K, {**comp, "echo": "yes"}, 400),
         ("/v1/nope", comp, 404),
     ]
     assert len(cases) >= 30
