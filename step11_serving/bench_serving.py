@@ -7,7 +7,10 @@
 
 负载：多轮对话。所有对话共用一段系统提示词；每段对话 T 轮，每轮把整段历史（系统提示 + 之前的问答 + 新问题）发出去，
 等这一轮的流式回答收完再问下一轮（和聊天页面一样的闭环）。并发 c = 同时进行的对话数。每个回答正好 M 个 token
-（ignore_eos，贪心），两边生成的 token 数相同，吞吐可以直接比。
+（ignore_eos，贪心），两边生成的 token 数相同，吞吐可以直接比。每段对话的第一句话前面有一句自己的开场白（"我是……，
+……。"，身份 × 处境的组合按种子不放回地抽，conversation_openings）：整次运行里每个（并发档、轮、对话）都是一段
+新对话，前面几档、前几轮问过的对话不会被原样重放、整段命中缓存；两个服务器在同一档同一轮收到的是同样的对话，
+问题本身仍按原来的顺序轮换，所以每一档的负载在统计上相同。
 
 两边一样：同一份权重（我们的 safetensors 写成的 F32 GGUF）、同样的线程数、llama-server 的 --parallel = 我们的
 --max-batch-size（都开着连续批处理）、KV 都是 float32（-ctk/-ctv f32：每步读的字节相同）。两个服务器都是独立进程，
@@ -15,12 +18,15 @@
 
 量的是：输出 token/s（全部输出 token ÷ 这一档的墙钟时间）、TTFT（发出请求 → 第一个有内容的 chunk）、TPOT（（最后一个
 chunk − 第一个）÷（token 数 − 1）），以及：我们的服务器在并发 8 时 ÷ 同样的请求直接交给 engine.generate()
-（server_overhead_vs_offline）、多轮对话的前缀缓存命中率、32 个客户端四分之一中途断开的浸泡（之后池子是否全空）。
+（server_overhead_vs_offline）、两边各自报告的提示词缓存命中率（每个回答里服务器自己说的：我们的
+usage.prompt_tokens_details.cached_tokens，llama-server 的同一字段或 timings.cache_n，见 prompt_cache_hits）、
+32 个客户端四分之一中途断开的浸泡（之后池子是否全空）。
 """
 import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -49,7 +55,17 @@ QUESTIONS = ["什么是 KV cache？", "Why is decode memory-bound?", "连续批�
              "What does PagedAttention change?", "前缀缓存为什么是精确的？", "Explain chunked prefill in two sentences.",
              "int8 的 KV cache 损失了什么？", "What is time to first token?"]
 FOLLOW_UPS = ["能再举一个具体的例子吗？", "Summarize that in one sentence.", "这样做的代价是什么？"]
+# 开场白的两个池子（conversation_openings）：16 × 16 = 256 种组合，够默认完整运行的 3 轮 × (2 + 8 + 16 + 32) = 174 段对话
+ROLES = ["刚入门的本科生", "后端工程师", "产品经理", "做推荐系统的工程师", "高中信息课老师", "读研一的学生", "运维工程师",
+         "写编译器的程序员", "数据分析师", "前端工程师", "物理系的博士生", "创业公司的技术负责人", "嵌入式工程师",
+         "做数据库内核的工程师", "技术记者", "自学编程的设计师"]
+SITUATIONS = ["下周要在组会上讲推理引擎", "正在给团队写设计文档", "第一次在自己的机器上部署开源模型", "在排查线上服务的延迟",
+              "准备一门课的讲义", "在评审同事的代码", "想给笔记本上的聊天助手提速", "在比较几个推理框架",
+              "要估算一台服务器能撑多少并发", "刚读完 vLLM 的论文", "在写一篇科普文章", "准备面试",
+              "想弄懂显存都花在了哪里", "在给客户解释账单里的 token", "在做毕业设计", "被老板问为什么回答这么慢"]
+OPENING_SEED = 0
 LLAMA_SERVER = cache_root() / "llama-server" / "build" / "bin" / "llama-server"
+FIGURE_KEY = {"ours": "ours", "ours-compiled": "compiled", "llama-server": "llama_server"}   # JSON 里各服务器的前缀
 
 
 @dataclass
@@ -59,6 +75,43 @@ class Result:
     tokens: int
     prompt_tokens: int
     cached_tokens: Optional[int]
+
+
+def conversation_openings(n: int, seed: int = OPENING_SEED) -> list[str]:
+    """n 段对话各自的开场白，两两不同：身份 × 处境的全部组合按种子洗一次，依次取（不放回）；
+    要的比组合多时，第 k 遍（k ≥ 2）在后面加上"（第 k 次来问）"。"""
+    pool = [f"我是{role}，{situation}。" for role in ROLES for situation in SITUATIONS]
+    random.Random(seed).shuffle(pool)
+    return [pool[i % len(pool)] + (f"（第 {i // len(pool) + 1} 次来问）" if i >= len(pool) else "") for i in range(n)]
+
+
+def schedule_openings(conversations: list[int], repeats: int) -> tuple[str, dict[tuple[int, int], list[str]]]:
+    """整次运行的开场白：(预热用的一句, {(第几轮, 第几档): 这一档各段对话的开场白})。conversations[k] = 第 k 档的对话数。
+    全部两两不同；两个服务器在同一档同一轮拿到同一组（它们是两个进程，各有各的缓存）。"""
+    total = 1 + repeats * sum(conversations)
+    pool, at, out = conversation_openings(total), 1, {}
+    for rep in range(repeats):
+        for k, n in enumerate(conversations):
+            out[rep, k], at = pool[at:at + n], at + n
+    return pool[0], out
+
+
+def prompt_cache_hits(usage: Optional[dict], timings: Optional[dict]) -> Optional[int]:
+    """服务器自己报告的：这个请求的提示词里有几个 token 直接用了缓存，没有重算。服务器没报时 None。
+    我们的服务器：usage.prompt_tokens_details.cached_tokens（OpenAI 的字段；前缀缓存按块命中的 token）。
+    llama-server：新一些的版本也填这个字段；它的流式回答最后一个 chunk 还带 timings（llama.cpp tools/server 的
+    result_timings），其中 cache_n 是从这个槽的 KV cache 里直接复用、没有重算的提示词 token 数，prompt_n 是这次
+    真算的。它按 token 复用槽里与新提示词最长的公共前缀，我们按块（--block-size）命中前缀缓存。"""
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = (timings or {}).get("cache_n")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
+def hit_rate(results: list["Result"]) -> Optional[float]:
+    """命中的提示词 token ÷ 提示词 token（只算服务器报告了命中数的请求）；一个都没报时 None。"""
+    known = [r for r in results if r.cached_tokens is not None and r.prompt_tokens]
+    return sum(r.cached_tokens for r in known) / sum(r.prompt_tokens for r in known) if known else None
 
 
 def free_port() -> int:
@@ -109,7 +162,7 @@ async def chat_request(client: httpx.AsyncClient, url: str, messages: list[dict]
         record.append([dict(m) for m in messages])
     t0 = time.perf_counter()
     first = last = None
-    chunks, text, usage = 0, [], None
+    chunks, text, usage, timings = 0, [], None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -120,6 +173,7 @@ async def chat_request(client: httpx.AsyncClient, url: str, messages: list[dict]
                 break
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings            # llama-server 的扩展（prompt_cache_hits）
             for ch in chunk.get("choices") or []:
                 piece = (ch.get("delta") or {}).get("content")
                 if piece:
@@ -128,14 +182,18 @@ async def chat_request(client: httpx.AsyncClient, url: str, messages: list[dict]
                     chunks += 1
                     text.append(piece)
     n = usage["completion_tokens"] if usage else chunks
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    res = Result(first - t0, (last - first) / (n - 1) if n > 1 else None, n, (usage or {}).get("prompt_tokens", 0), cached)
+    cached = prompt_cache_hits(usage, timings)
+    prompt = (usage or {}).get("prompt_tokens")
+    if prompt is None and timings and cached is not None and isinstance(timings.get("prompt_n"), int):
+        prompt = timings["prompt_n"] + cached                     # 没有 usage 时：真算的 + 复用的
+    res = Result(first - t0, (last - first) / (n - 1) if n > 1 else None, n, prompt or 0, cached)
     return res, "".join(text)
 
 
 async def run_level(url: str, concurrency: int, conversations: int, turns: int, max_tokens: int,
-                    record: Optional[list] = None) -> tuple[list[Result], float]:
-    """并发 c：c 个工作者各自从队列里取对话，一轮一轮地问完。返回每个请求的结果和这一档的墙钟时间。"""
+                    record: Optional[list] = None, openings: Optional[list[str]] = None) -> tuple[list[Result], float]:
+    """并发 c：c 个工作者各自从队列里取对话，一轮一轮地问完。返回每个请求的结果和这一档的墙钟时间。
+    openings：第 i 段对话第一句话前面的开场白（schedule_openings）；None = 没有开场白（第 i 段对话只由 i 决定）。"""
     todo = asyncio.Queue()
     for i in range(conversations):
         todo.put_nowait(i)
@@ -147,6 +205,8 @@ async def run_level(url: str, concurrency: int, conversations: int, turns: int, 
             messages = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
                 q = QUESTIONS[i % len(QUESTIONS)] if t == 0 else FOLLOW_UPS[(i + t) % len(FOLLOW_UPS)]
+                if t == 0 and openings is not None:
+                    q = openings[i] + q
                 messages.append({"role": "user", "content": q})
                 res, answer = await chat_request(client, url, messages, max_tokens, record)
                 results.append(res)
@@ -227,6 +287,13 @@ def offline_tok_s(args, model_dir: Path, recorded: list[list[dict]], max_tokens:
     return out.stats.generated_tokens / out.stats.wall_s
 
 
+def llama_server_cmd(binary: Path, gguf: Path, threads: int, parallel: int, port: int) -> list[str]:
+    """llama-server 的命令行：--parallel 个槽、连续批处理、每个槽 2048 token 的上下文、KV 用 f32，只听 127.0.0.1。"""
+    return [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--parallel", str(parallel), "-cb",
+            "-c", str(parallel * 2048), "-ctk", "f32", "-ctv", "f32", "--host", "127.0.0.1", "--port", str(port),
+            "--no-webui"]
+
+
 def main(args) -> bool:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c <= 0 for c in levels):
@@ -257,15 +324,15 @@ def main(args) -> bool:
             from perf.llamacpp import gguf_files
             f32 = gguf_files(model_dir)["F32"]
             port = free_port()
-            ctx = args.max_batch_size * 2048                     # 每个槽 2048 token
-            servers["llama-server"] = Server("llama-server", [
-                str(llama_bin), "-m", str(f32), "-t", str(args.threads), "-tb", str(args.threads),
-                "--parallel", str(args.max_batch_size), "-cb", "-c", str(ctx), "-ctk", "f32", "-ctv", "f32",
-                "--host", "127.0.0.1", "--port", str(port), "--no-webui"], env, tmp / "llama.log", port)
+            servers["llama-server"] = Server("llama-server", llama_server_cmd(llama_bin, f32, args.threads,
+                                                                              args.max_batch_size, port),
+                                             env, tmp / "llama.log", port)
         print(f"机器: {machine()}；{'quick（共享机器上的冒烟，数字噪声大）' if args.quick else f'{repeats} 轮交替'}；"
               f"每段对话 {turns} 轮、每个回答 {max_tokens} token；日志在 {tmp}", flush=True)
-        for srv in servers.values():                           # 预热
-            asyncio.run(run_level(srv.url, 1, 1, 1, 4))
+        conversations = [max(c, 2) if args.quick else 2 * c for c in levels]
+        warm_opening, openings = schedule_openings(conversations, repeats)   # 每段对话一句自己的开场白
+        for srv in servers.values():                           # 预热：用一句不在负载里的开场白
+            asyncio.run(run_level(srv.url, 1, 1, 1, 4, openings=[warm_opening]))
         per = {(name, c): [] for name in servers for c in levels}
         recorded: list = []
         for rep in range(repeats):
@@ -273,11 +340,12 @@ def main(args) -> bool:
                 names = list(servers) if (rep + k) % 2 == 0 else list(servers)[::-1]
                 for name in names:
                     rec = recorded if (name == "ours" and c == 8 and rep == 0) else None
-                    res, wall = asyncio.run(run_level(servers[name].url, c, max(c, 2) if args.quick else 2 * c,
-                                                      turns, max_tokens, rec))
+                    res, wall = asyncio.run(run_level(servers[name].url, c, conversations[k], turns, max_tokens, rec,
+                                                      openings[rep, k]))
                     per[(name, c)].append((res, wall))
-                    print(f"  第 {rep + 1} 轮 c={c:<2} {name:<12} {sum(r.tokens for r in res) / wall:7.1f} token/s",
-                          flush=True)
+                    h = hit_rate(res)
+                    print(f"  第 {rep + 1} 轮 c={c:<2} {name:<12} {sum(r.tokens for r in res) / wall:7.1f} token/s，"
+                          f"提示词缓存命中 {'-' if h is None else f'{h:.1%}'}", flush=True)
         hit = metrics(servers["ours"].url)
         figures = {"prefix_cache_hit_rate": round(hit["llm_prefix_cache_hit_rate"], 4)}
         rows = []
@@ -288,7 +356,9 @@ def main(args) -> bool:
                 allr = [r for res, _ in runs for r in res]
                 ttft = [r.ttft for r in allr]
                 tpot = [r.tpot for r in allr]
-                key = {"ours": "ours", "ours-compiled": "compiled", "llama-server": "llama_server"}[name]
+                key = FIGURE_KEY[name]
+                h = hit_rate(allr)
+                figures[f"{key}_prompt_cache_hit_rate_c{c}"] = None if h is None else round(h, 4)
                 figures.update({f"{key}_tok_s_c{c}": round(tok_s, 2),
                                 f"{key}_ttft_p50_ms_c{c}": round(pct(ttft, .5) * 1e3, 1),
                                 f"{key}_ttft_p99_ms_c{c}": round(pct(ttft, .99) * 1e3, 1),
@@ -296,7 +366,7 @@ def main(args) -> bool:
                                 f"{key}_tpot_p99_ms_c{c}": round(pct(tpot, .99) * 1e3, 2)})
                 rows.append([c, name, f"{tok_s:.1f}", f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
                              f"{pct(tpot, .5) * 1e3:.1f}", f"{pct(tpot, .99) * 1e3:.1f}",
-                             statistics.mean(r.prompt_tokens for r in allr)])
+                             statistics.mean(r.prompt_tokens for r in allr), "-" if h is None else f"{h:.1%}"])
             if "llama-server" in servers:
                 figures[f"throughput_ratio_vs_llama_server_c{c}"] = round(
                     figures[f"ours_tok_s_c{c}"] / figures[f"llama_server_tok_s_c{c}"], 3)
@@ -309,7 +379,7 @@ def main(args) -> bool:
                 figures[f"compiled_throughput_ratio_vs_eager_c{c}"] = round(
                     figures[f"compiled_tok_s_c{c}"] / figures[f"ours_tok_s_c{c}"], 3)
         print(table(["并发", "服务器", "输出 token/s", "TTFT p50 (ms)", "TTFT p99", "TPOT p50 (ms)", "TPOT p99",
-                     "平均提示词 token"], rows))
+                     "平均提示词 token", "提示词缓存命中"], rows))
         if "llama-server" in servers:
             print("我们 ÷ llama-server：" + "  ".join(
                 f"c={c} 吞吐 {figures[f'throughput_ratio_vs_llama_server_c{c}']:.2f}×" for c in levels))
@@ -319,7 +389,15 @@ def main(args) -> bool:
         if "ours-compiled" in servers:
             print("--compile ÷ eager（我们的服务器）：" + "  ".join(
                 f"c={c} 吞吐 {figures[f'compiled_throughput_ratio_vs_eager_c{c}']:.2f}×" for c in levels))
-        print(f"我们的前缀缓存命中率（整个负载，多轮对话的历史 + 共用的系统提示词）：{figures['prefix_cache_hit_rate']:.1%}")
+        overall = {}
+        for name in servers:
+            key = FIGURE_KEY[name]
+            h = hit_rate([r for c in levels for res, _ in per[(name, c)] for r in res])
+            figures[f"{key}_prompt_cache_hit_rate"] = overall[name] = None if h is None else round(h, 4)
+        print("提示词缓存命中率（整个负载；每个回答里服务器自己报告的命中 token ÷ 提示词 token，见 prompt_cache_hits；"
+              "命中的是共用的系统提示词与多轮对话的历史）：" + "  ".join(
+                  f"{name} {'没有报告' if h is None else f'{h:.1%}'}" for name, h in overall.items()))
+        print(f"我们的 /metrics 里的前缀缓存命中率（含预热）：{figures['prefix_cache_hit_rate']:.1%}")
         figures.update(asyncio.run(disconnect_soak(servers["ours"].url, 32, max_tokens)))
         print("断开浸泡：" + "，".join(f"{k.removeprefix('disconnect_soak_')} {v}" for k, v in figures.items()
                                    if k.startswith("disconnect_soak_")))

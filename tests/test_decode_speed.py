@@ -133,10 +133,13 @@ def test_llama_permute_inverts_transformers_gguf_loader():
         assert not np.array_equal(llama_permute(w, n_head), w)
 
 
-def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("linear", ["auto", "plain"])
+def test_bench_runs_without_llama_cpp(linear, tiny_tok_dir, monkeypatch, capsys):
     """既没装 llama-cpp-python（模拟：import llama_cpp 失败）、也没有 llama-server 时，bench/decode_speed.py 跑完
     自己的阶梯和编译的批处理部分、打印安装命令、正常退出（退出码 0），JSON 里每一项检查都通过
-    （编译的引擎与 eager 相同、检查负载用到了每个桶、有抢占和前缀命中），批处理部分的数字都在。
+    （第 0 级 plain 与 packed 两行、之后每一级的 token 与 plain 的 step03 相同；编译的引擎与 eager 相同、检查负载用到了
+    每个桶、有抢占和前缀命中），剖析过的几级有矩阵乘与其余开销的拆分，批处理部分的数字都在。
+    --linear auto（学习者拿到的 packed）与 --linear plain（改动之前）各跑一次：阶梯的快路与编译的批处理部分从两种权重都建得起来。
     为了快：带宽与 GEMV 表用小替身，torch.compile 换成 eager（编译由上面的测试和 test_compiled_decode.py 覆盖）。"""
     import json
 
@@ -151,19 +154,31 @@ def test_bench_runs_without_llama_cpp(tiny_tok_dir, monkeypatch, capsys):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     with pytest.raises(SystemExit) as e:
         cli.run_main(decode_speed.make_parser(), decode_speed.run,
-                     ["--model", str(tiny_tok_dir), "--quick", "--threads", "1", "--json"])
+                     ["--model", str(tiny_tok_dir), "--quick", "--threads", "1", "--json", "--linear", linear])
     out = capsys.readouterr().out
     assert e.value.code == 0, out[-3000:]
     assert llamacpp.INSTALL in out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["checks"] and all(result["checks"].values()), result["checks"]
+    rung0 = list(decode_speed.RUNG0.values())                        # plain 与 packed 两行，都与 step03 比过
+    assert set(rung0) | {decode_speed.COMPILED_RUNG} <= set(result["checks"])
     assert {"compiled_greedy_equals_eager", "compiled_sampled_equals_eager",
             "compiled_check_covers_every_bucket_preemption_prefix_hits"} <= set(result["checks"])
     figures = result["figures"]
+    impl = "packed" if linear == "auto" else "plain"                  # 这台机器能打包（test_linear.py）
+    assert figures["linear"] == figures["compiled_linear"] == impl
     assert "ratio_vs_llamacpp_f32[step03]" not in figures and "compiled_decode_ratio_vs_llamacpp_f32" not in figures
+    for name in rung0 + ["1 + 融合 QKV、gate/up", decode_speed.COMPILED_RUNG]:
+        assert figures[f"ops_per_step[{name}]"] > 0, name
+        assert 0 < figures[f"matmul_share[{name}]"] and figures[f"matmul_ms[{name}]"] > 0, name
+        assert f"other_ms[{name}]" in figures and f"tok_s[{name}]" in figures, name
+    assert figures["packed_speedup[step03]"] > 0
     for name in ("compiled_step_speedup_b8", "compiled_throughput_ratio_b8_vs_eager", "compiled_graphs",
                  "compile_rss_mib", "decode_step_ms_b1[eager]", "engine_tok_s_b8[compiled]"):
         assert name in figures, name
+    # packed 时批处理部分再并排 plain 权重的 eager；plain 时没有这一列
+    assert ("packed_step_speedup_b8" in figures) == (impl == "packed")
+    assert ("decode_step_ms_b1[eager@plain]" in figures) == (impl == "packed")
 
 
 def test_llama_server_backend_drives_completion_and_reads_tokens_and_timings(monkeypatch, tmp_path):
