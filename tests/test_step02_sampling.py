@@ -367,6 +367,8 @@ BAD_ARGS = [
     # 合法范围的另一侧（极端但合法的取值在 test_prepare_and_errors 的 test_run_py_extreme_sampling_values）
     ["--temperature", "inf"], ["--repetition-penalty", "inf"], ["--repetition-penalty", "nan"],
     ["--repetition-penalty", "-1e-40"], ["--top-p", "nan"], ["--top-p", "-1e-30"], ["--min-p", "nan"],
+    ["--presence-penalty", "2.5"], ["--frequency-penalty", "nan"], ["--frequency-penalty", "-inf"], ["--min-tokens", "-1"],
+    ["--stop-token-id", "-3"], ["--min-tokens", "1.5"],
 ]
 
 
