@@ -52,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
             g.add_argument(flag, dest=f.name, type=float, default=default)
         else:
             g.add_argument(flag, dest=f.name, type=str, default=default)
-    if "spec_method" in {f.name for f, _, _ in _fields(engine_module(name).EngineConfig)}:
+    if "spec_method" in {f.name for f, _, _ in config_fields(engine_module(name).EngineConfig)}:
         g.add_argument("--draft-model", default=None, metavar="DIR",
                        help="--spec-method draft 的草稿模型（HF 目录，与目标同一个分词器）")
     if name in PARALLEL_ENGINES:

@@ -92,9 +92,9 @@ def test_process_logits_matches_reference_chain(params, seed):
     assert torch.equal(ours > 0, ref > 0), "保留的 token 集合与参考不同"
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
     masked = params.min_tokens > len(output)
-    truncated = params.top_k or params.top_p < 1 or params.min_p      # 截断也可能去掉它们：只在没有截断时看"没被屏蔽"
+    adjusted = adjust_logits(logits, prompt, output, params, EOS)
     for t in (*EOS, *params.stop_token_ids):
-        assert ours[t] == 0 if masked else (truncated or ours[t] > 0)
+        assert (adjusted[t] == -math.inf) == masked
 
 
 def analytic(logits: torch.Tensor, output: list[int], params: SamplingParams) -> torch.Tensor:
