@@ -34,9 +34,9 @@ DIST_CASES = [
     ("top_p", SamplingParams(temperature=0.7, top_p=0.8)),
     ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
     ("combined", SamplingParams(temperature=0.8, top_k=40, top_p=0.7, min_p=0.05, repetition_penalty=1.3)),
-    # OpenAI 的惩罚与偏置：已生成的那个 token（前缀里最可能的下一个）被 presence + frequency 压低 2 个单位，
-    # token 0（<|endoftext|>，本来几乎不可能）被偏置抬高
-    ("penalties", SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={0: 8.0})),
+    # OpenAI 的惩罚与偏置：已生成的那个 token（前缀里最可能的下一个）被 presence + frequency 压低 3 个单位，
+    # token 0（<|endoftext|>，本来几乎不可能）被偏置抬高到约 2%
+    ("penalties", SamplingParams(temperature=0.7, presence_penalty=2.0, frequency_penalty=1.0, logit_bias={0: 10.0})),
 ]
 REPETITION_PENALTY = 1.3
 

@@ -229,7 +229,7 @@ def test_draws_match_theoretical_distribution(prefix_logits, name, params):
 #   top-p 0.8       → 先 top-p 再温度（顺序错）TV ≈ 0.18
 #   min-p 0.1       → 用绝对门槛 p ≥ 0.1       TV ≈ 0.61
 #   combined        → 忘了重复惩罚             TV ≈ 0.51
-#   penalties       → 忘了 presence/frequency   TV ≈ (见下方运行结果)
+#   penalties       → 忘了 presence/frequency  TV ≈ 0.40（只忘了偏置 ≈ 0.02：抽样看不出，逐元素对照抓住它）
 # 这些都远大于上界：抽样检验会失败。组合里的顺序错误（先 top-p 再 top-k、温度放到最后……）只有上界的 1.2–2.6 倍，
 # 更细的错误（比如 top-p 多留一个边界 token）抽样根本看不出：它们由逐元素对照 HF 的测试抓住。
 WRONG = {
@@ -238,7 +238,7 @@ WRONG = {
     "top_p": lambda z, p, o: apply_temperature(apply_top_p(z, 0.8), 0.7),
     "min_p": lambda z, p, o: z.masked_fill(z.softmax(-1) < 0.1, NEG_INF),
     "combined": lambda z, p, o: process_logits(z, p, o, SamplingParams(temperature=0.8, top_k=40, top_p=0.7, min_p=0.05)),
-    "penalties": lambda z, p, o: process_logits(z, p, o, SamplingParams(temperature=1.0, logit_bias={0: 8.0})),
+    "penalties": lambda z, p, o: process_logits(z, p, o, SamplingParams(temperature=0.7, logit_bias={0: 10.0})),
 }
 
 
