@@ -184,7 +184,7 @@ def generate_static(model, prompt_ids: list[int], max_new_tokens: int, step=deco
     while True:
         if stamps is not None:
             stamps.append(time.perf_counter())
-        tok = sample(logits, ids, SamplingParams(), None)
+        tok = sample(logits, prompt_ids, out, SamplingParams(), None)
         ids.append(tok)
         out.append(tok)
         if len(out) == max_new_tokens:

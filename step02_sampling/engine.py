@@ -9,13 +9,15 @@ from step02_sampling.sampler import SamplingParams, make_generator, sample
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, eos_ids=(),
              ignore_eos: bool = False, stop_strings=(), tokenizer=None) -> list[int]:
-    """返回新 token。停止条件：生成满 max_new_tokens；生成了 EOS（包含这个 EOS，同 HF）；
-    新生成文本里出现任一停止字符串（包含补全它的那个 token，同 HF 的 StopStringCriteria）。"""
+    """返回新 token。停止条件：生成满 max_new_tokens；生成了 EOS 或 params.stop_token_ids 里的 token（包含它，同 HF）；
+    新生成文本里出现任一停止字符串（包含补全它的那个 token，同 HF 的 StopStringCriteria）。
+    生成满 params.min_tokens 个之前，只有第一条算数（同 vLLM）。"""
     # >>> step02 新增：检查参数；每次调用一个自己的随机数发生器（种子相同 → 输出相同）
-    params.validate()
+    params.validate(model.cfg.vocab_size)
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the generated text")
     generator = make_generator(params.seed, model.device)
+    end_ids = () if ignore_eos else tuple(eos_ids)   # min_tokens 之前要屏蔽的 EOS（ignore_eos 时 EOS 不结束请求，不必屏蔽）
     # <<<
     ids = list(prompt_ids)
     out = []
@@ -23,12 +25,15 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
         x = torch.tensor([ids], device=model.device)              # (1, T)：整段序列，每步都从头算
         pos = torch.arange(len(ids), device=model.device)[None]   # (1, T)：位置 0..T-1
         logits = model(x, pos, last_only=True)[0, -1]             # (V,)：只要最后一个位置的下一个 token 分布
-        tok = sample(logits, ids, params, generator)              # step02 修改：采样器代替 argmax（ids 供重复惩罚用）
+        tok = sample(logits, prompt_ids, out, params, generator, end_ids)   # step02 修改：采样器代替 argmax
         ids.append(tok)
         out.append(tok)
-        if tok in eos_ids and not ignore_eos:
+        # >>> step02 新增：min_tokens 之前什么都不结束请求（EOS 与停止 token 已被采样器屏蔽，停止字符串在这里跳过）
+        if len(out) < params.min_tokens:
+            continue
+        if tok in end_ids or tok in params.stop_token_ids:   # 停止 token 与 EOS 一样：算进输出
             break
-        # >>> step02 新增：停止字符串。每步把全部新 token 重新解码再找（比整段前向便宜得多，也不会漏掉
+        # 停止字符串：每步把全部新 token 重新解码再找（比整段前向便宜得多，也不会漏掉
         # 跨 token 的停止串）；只找新生成的文本，提示词里出现的不算
         if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
             break

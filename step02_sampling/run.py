@@ -34,6 +34,9 @@ DIST_CASES = [
     ("top_p", SamplingParams(temperature=0.7, top_p=0.8)),
     ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
     ("combined", SamplingParams(temperature=0.8, top_k=40, top_p=0.7, min_p=0.05, repetition_penalty=1.3)),
+    # OpenAI 的惩罚与偏置：已生成的那个 token（前缀里最可能的下一个）被 presence + frequency 压低 3 个单位，
+    # token 0（<|endoftext|>，本来几乎不可能）被偏置抬高到约 2%
+    ("penalties", SamplingParams(temperature=0.7, presence_penalty=2.0, frequency_penalty=1.0, logit_bias={0: 10.0})),
 ]
 REPETITION_PENALTY = 1.3
 
@@ -68,22 +71,22 @@ def check_seeds(s: cli.Session, checks: dict) -> None:
         print(f"  seed {seed}: {s.tok.decode(out)!r}")
 
 
-def distribution_prefix(s: cli.Session) -> tuple[list[int], torch.Tensor]:
-    """(c) 用的固定前缀：history = 提示词 + 它最可能的下一个 token（假装已经生成过一次，让重复惩罚也起作用），
-    logits = 提示词之后的下一 token logits (V,)。"""
+def distribution_prefix(s: cli.Session) -> tuple[list[int], list[int], torch.Tensor]:
+    """(c) 用的固定前缀：(提示词, 已生成 = [它最可能的下一个 token], logits)——假装那个 token 已经生成过一次，
+    让重复惩罚与 presence/frequency 惩罚也起作用；logits = 提示词之后的下一 token logits (V,)。"""
     ids = s.encode(CHAPTER_PROMPTS[0][1])
     logits = s.full_logits(ids)[-1]                                  # (V,)
-    return ids + [int(logits.argmax())], logits
+    return ids, [int(logits.argmax())], logits
 
 
 def check_distributions(s: cli.Session, checks: dict) -> None:
     """(c) 在真实的下一 token 分布上：我们的过滤结果 = HF 处理器的结果；抽 DRAWS 次的经验分布与理论分布的
     TV 在上界之内；top-k / top-p / min-p 从不抽出允许集合以外的 token。"""
-    history, logits = distribution_prefix(s)
+    prompt, output, logits = distribution_prefix(s)
     rows = []
     for i, (name, params) in enumerate(DIST_CASES):
-        theory = hf_filtered_probs(logits, history, params)          # (V,)：参考（HF 的处理器）
-        ours = process_logits(logits, history, params).softmax(-1)   # (V,)：sample() 抽样用的就是它
+        theory = hf_filtered_probs(logits, prompt, output, params)          # (V,)：参考（HF 的处理器）
+        ours = process_logits(logits, prompt, output, params).softmax(-1)   # (V,)：sample() 抽样用的就是它
         checks[f"filter_equals_hf_{name}"] = (torch.equal(ours > 0, theory > 0)
                                               and torch.allclose(ours, theory, rtol=1e-4, atol=1e-7))
         g = make_generator(1000 + i, s.device)
@@ -94,11 +97,11 @@ def check_distributions(s: cli.Session, checks: dict) -> None:
         bound = tv_bound(theory_b, DRAWS)
         outside = sum(1 for d in draws if theory[d] == 0)
         checks[f"draws_match_distribution_{name}"] = tv < bound
-        if name != "temperature":   # 纯温度不删 token：允许集合是整个词表
+        if name not in ("temperature", "penalties"):   # 纯温度、惩罚不删 token：允许集合是整个词表
             checks[f"draws_inside_allowed_set_{name}"] = outside == 0
         shown = ", ".join(f"{k}={v}" for k, v in vars(params).items() if v != getattr(SamplingParams(), k))
         rows.append([name, shown, int((theory > 0).sum()), f"{tv:.4f}", f"{bound:.4f}", outside])
-    print(f"\n抽样分布（前缀 {CHAPTER_PROMPTS[0][1]!r}，history 另含它最可能的下一个 token；每种抽 {DRAWS} 次；"
+    print(f"\n抽样分布（前缀 {CHAPTER_PROMPTS[0][1]!r}，已生成 = 它最可能的下一个 token；每种抽 {DRAWS} 次；"
           f"TV 按理论概率前 50 的 token 各一组 + 其余一组计算）:")
     print(table(["策略", "参数", "保留的 token 数", "TV(经验, 理论)", "TV 上界", "允许集合外"], rows))
 
@@ -147,7 +150,8 @@ def benchmark(args, s: cli.Session) -> dict:
     times = {}
     for label, params in cases:
         g = make_generator(0, s.device)
-        times[label] = median_time(lambda: sample(logits, ids, params, g), repeats=repeats, warmup=3, device=s.device)
+        times[label] = median_time(lambda: sample(logits, ids, [], params, g), repeats=repeats, warmup=3,
+                                   device=s.device)
     greedy, full = times[cases[0][0]], times[cases[-1][0]]
     rows = [[label, f"{t * 1e3:.3f}", f"{(t - greedy) * 1e3:+.3f}", f"{t / forward * 100:.2f}%"]
             for label, t in times.items()]

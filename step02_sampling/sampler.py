@@ -1,9 +1,16 @@
 """step02 的采样器：从最后一个位置的 logits (V,) 选出下一个 token。
 
-处理顺序与 HF transformers 的 generate 相同（第 02 章解释为什么是这个顺序）：
+处理顺序（第 02 章解释为什么是这个顺序）：
 
-    logits ─ 重复惩罚 ─ 温度 ─ top-k ─ top-p ─ min-p ─ softmax ─ 抽样 (draw)
-                      └─ 贪心（temperature < SAMPLING_EPS 或 top_k == 1）：直接 argmax，不消耗随机数
+    logits ─ logit_bias ─ 重复惩罚 ─ presence/frequency 惩罚 ─ min_tokens 屏蔽 ─ 温度 ─ top-k ─ top-p ─ min-p ─ softmax ─ 抽样 (draw)
+                                                                            └─ 贪心（temperature < SAMPLING_EPS 或 top_k == 1）：直接 argmax，不消耗随机数
+
+前四项（adjust_logits）会改变 argmax，所以贪心也要做；与 HF generate 的顺序相同（SequenceBias → RepetitionPenalty →
+MinNewTokensLength → 温度……），presence/frequency 是 OpenAI 的定义，放在重复惩罚之后（vLLM 的 apply_penalties 也是这个顺序）。
+vLLM 把 min_tokens 放在惩罚之前：被屏蔽的是 -inf，惩罚怎么加减乘除都还是 -inf，两种顺序结果相同。
+
+采样器要分开看提示词和已生成的 token：重复惩罚看两者（HF / vLLM 相同），presence / frequency 惩罚只数已生成的
+（OpenAI / vLLM 的定义），min_tokens 看已生成了几个。所以参数是 prompt_ids、output_ids 两个列表，而不是一条 history。
 
 每个过滤器都只是把"不允许"的 token 的 logit 设成 -inf：softmax 之后它们的概率正好是 0，
 剩下的 token 自动重新归一化。所有函数都不修改传入的张量。
@@ -11,13 +18,16 @@
 极端但合法的参数（validate 接受的都算）也必须得到一个有定义的 token，绝不能抽出词表外的 id：
   · 温度 < SAMPLING_EPS (1e-5) 按贪心处理（vLLM 的 _SAMPLING_EPS 同样如此）：z / 1e-40 会溢出成 inf，
     几个 inf 进 softmax 得 NaN；而温度趋于 0 的极限本来就是 argmax。
-  · 重复惩罚的结果夹在 ±LOGIT_LIMIT 之内：z / 1e-40 同样会溢出；夹住之后再除以不小于 SAMPLING_EPS 的温度也仍然有限。
+  · 重复惩罚、presence/frequency 惩罚的结果夹在 ±LOGIT_LIMIT 之内：z / 1e-40 同样会溢出；夹住之后再除以不小于
+    SAMPLING_EPS 的温度也仍然有限。logit_bias 限制在 [-100, 100]：每个 token 都 -100 也只是整体平移，分布不变。
+  · min_tokens 屏蔽不会把整个词表都屏蔽掉（stop_token_ids 覆盖了整个词表时不屏蔽：否则没有 token 可选）。
   · 很大的温度（1e6）把分布压平，接近均匀分布，本来就有定义；top-p 1e-30 只留概率最大的一个 token。
   · 每个过滤器都至少留下概率最大的那个 token，所以 softmax 的分母 ≥ 1，不会是 0 / 0。
   · draw() 的总和不是有限正数时报错（那是上游的 bug），而不是返回 V。
 """
 import math
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,9 +37,11 @@ TOP_P_FIRST_K = 256   # top-p 先看概率最高的这么多个 token（不够�
 # 温度低于它就当作贪心：与 vLLM 的 _SAMPLING_EPS 相同。这么小的温度下 softmax(z / T) 已经是 argmax 上的 one-hot
 # （logit 差 0.01 就是 e^-1000），再小只会让 z / T 溢出；等于 1e-5 本身仍然抽样
 SAMPLING_EPS = 1e-5
-# 重复惩罚后 logit 的绝对值上限：比真实模型的 logit（几十以内）大得多，又小到除以最小的非贪心温度 SAMPLING_EPS
+# 惩罚后 logit 的绝对值上限：比真实模型的 logit（几十以内）大得多，又小到除以最小的非贪心温度 SAMPLING_EPS
 # 也还是有限的 float32（1e30 / 1e-5 = 1e35 < 3.4e38）
 LOGIT_LIMIT = 1e30
+MAX_PENALTY = 2.0      # presence / frequency 惩罚的范围 [-2, 2]（OpenAI 的规定）
+MAX_LOGIT_BIAS = 100.0  # logit_bias 的范围 [-100, 100]（OpenAI 的规定：-100 基本等于禁止，100 基本等于只选它）
 
 
 @dataclass
@@ -38,11 +50,18 @@ class SamplingParams:
     top_k: int = 0                    # 0 = 不限制；只在概率最高的 k 个 token 里抽
     top_p: float = 1.0                # 1 = 不限制；只保留累计概率刚好达到 p 的最小集合（nucleus）
     min_p: float = 0.0                # 0 = 不限制；去掉概率 < min_p × 最大概率 的 token
-    repetition_penalty: float = 1.0   # 1 = 不惩罚；>1 压低出现过的 token（HF / CTRL 的定义）
+    repetition_penalty: float = 1.0   # 1 = 不惩罚；>1 压低出现过的 token（HF / CTRL 的定义，看提示词 + 已生成）
     seed: int | None = None           # None = 每次随机；给定种子 → 同一设备上输出可复现
+    # OpenAI 的定义（只数已生成的 token）：logit -= 出现次数 × frequency_penalty + (出现过 ? 1 : 0) × presence_penalty
+    presence_penalty: float = 0.0     # [-2, 2]，0 = 不惩罚；>0 鼓励换话题，<0 鼓励重复
+    frequency_penalty: float = 0.0    # [-2, 2]，0 = 不惩罚；>0 出现越多压得越低
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id → 加到 logit 上的偏置，[-100, 100]
+    min_tokens: int = 0               # 生成满这么多个 token 之前，EOS 与 stop_token_ids 被屏蔽，停止字符串也不算
+    stop_token_ids: tuple[int, ...] = ()   # 生成了其中任一个就停（finish_reason "stop"；这个 token 算进输出）
 
-    def validate(self) -> None:
-        """非法值抛 UserError（run.py 把它变成一行 `error: ...`、退出码 2；服务端回 400）。
+    def validate(self, vocab_size: int | None = None) -> None:
+        """非法值抛 UserError，消息里写字段名（run.py 把它变成一行 `error: ...`、退出码 2；服务端回 400）。
+        vocab_size：给了就检查 logit_bias 与 stop_token_ids 里的 token id 在 [0, vocab_size) 之内（引擎知道词表大小）。
 
         接受的参数空间（其中每一点都得到一个有定义的、词表内的 token）：
             temperature         有限且 >= 0；< SAMPLING_EPS (1e-5) 按贪心处理（包括 1e-40 这样的次正规数）
@@ -51,6 +70,11 @@ class SamplingParams:
             min_p               [0, 1]；1 = 只留概率最大的（并列的都留）
             repetition_penalty  有限且 > 0；1e-40 或 1e6 这样的极端值结果夹在 ±LOGIT_LIMIT 之内
             seed                None 或 [0, 2^63) 里的整数
+            presence_penalty    [-2, 2]
+            frequency_penalty   [-2, 2]
+            logit_bias          {token id: [-100, 100]}
+            min_tokens          整数 >= 0
+            stop_token_ids      token id 的序列
         """
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -64,12 +88,37 @@ class SamplingParams:
             raise UserError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-MAX_PENALTY <= v <= MAX_PENALTY):   # NaN 不成立
+                raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise UserError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
+        if not isinstance(self.logit_bias, dict):
+            raise UserError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for t, b in self.logit_bias.items():
+            _check_token_id("logit_bias", t, vocab_size)
+            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+                raise UserError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                f"got {b!r} for token {t}")
+        for t in self.stop_token_ids:
+            _check_token_id("stop_token_ids", t, vocab_size)
 
     @property
     def greedy(self) -> bool:
         """温度 < SAMPLING_EPS（含 0）或 top_k 1 时只剩一个候选：结果与贪心（argmax）相同，不需要随机数。
         每一步、每个地方（sample、process_logits、draw_margin、投机解码的验证与草稿）都用这一个判断。"""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_token_id(name: str, t, vocab_size: int | None) -> None:
+    if not (_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size)):
+        where = "an integer >= 0" if vocab_size is None else f"in [0, {vocab_size})"
+        raise UserError(f"{name}: token ids must be {where}, got {t!r}")
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
@@ -99,6 +148,59 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[int], penalty: 
     out = logits.clone()
     out[idx] = torch.where(seen < 0, seen * penalty, seen / penalty).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI 的 logit_bias：把偏置加到指定 token 的 logit 上（HF 的 SequenceBiasLogitsProcessor 对单个 token 相同）。
+    偏置在 [-100, 100]：结果有限；-100 几乎等于禁止（e^-100 ≈ 4e-44），但不是 -inf。"""
+    if not bias:
+        return logits
+    idx = torch.tensor(list(bias), device=logits.device)                               # (n,)：dict 的键互不相同
+    out = logits.clone()
+    out[idx] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI 的 presence / frequency 惩罚（vLLM 相同）：只数已生成的 token（提示词里的不算），c[t] = t 出现的次数，
+        logit[t] -= c[t] × frequency + (c[t] > 0) × presence
+    没出现过的 token 不变。结果夹在 ±LOGIT_LIMIT 之内（重复惩罚之后的 logit 可能已经在边上）。"""
+    if (presence == 0 and frequency == 0) or not output_ids:
+        return logits
+    ids = torch.tensor(list(output_ids), device=logits.device)                        # (n,)
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)          # (V,)
+    penalty = counts * frequency + (counts > 0).to(logits.dtype) * presence            # (V,)
+    return (logits - penalty).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+
+
+def apply_min_tokens(logits: torch.Tensor, num_output: int, min_tokens: int, end_ids: Collection[int]) -> torch.Tensor:
+    """已生成的 token 还不到 min_tokens 个时，屏蔽会结束请求的 token（EOS 与 stop_token_ids；vLLM 的
+    MinTokensLogitsProcessor、HF 的 MinNewTokensLengthLogitsProcessor）。它们覆盖了整个词表时不屏蔽：
+    否则没有 token 可选（softmax 全是 -inf 得 NaN）；这样的请求照样生成到 min_tokens 个才可能因它们而停。"""
+    if num_output >= min_tokens or not end_ids:
+        return logits
+    ids = sorted(set(end_ids))
+    if len(ids) >= logits.shape[-1]:
+        return logits
+    out = logits.clone()
+    out[torch.tensor(ids, device=logits.device)] = -math.inf
+    return out
+
+
+def adjust_logits(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+                  eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """处理链里会改变 argmax 的前半段（所以贪心也要做）：logit_bias → 重复惩罚（提示词 + 已生成）→
+    presence/frequency 惩罚（只数已生成）→ min_tokens 屏蔽（EOS 与 stop_token_ids）。
+    eos_ids：这个请求会因之结束的 EOS（ignore_eos 时传空）。都是默认值时原样返回同一个张量。
+    为什么偏置在惩罚之前：与 HF（SequenceBias 在 RepetitionPenalty 之前）和 vLLM（logit_bias 在 apply_penalties 之前）
+    相同，同样的参数得到同样的分布。"""
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, [*prompt_ids, *output_ids], params.repetition_penalty)
+    logits = apply_penalties(logits, output_ids, params.presence_penalty, params.frequency_penalty)
+    if params.min_tokens > len(output_ids):
+        logits = apply_min_tokens(logits, len(output_ids), params.min_tokens, [*eos_ids, *params.stop_token_ids])
+    return logits
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -148,11 +250,12 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), -math.inf)
 
 
-def process_logits(logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
-    """整条处理链（顺序同 HF）：返回处理后的 logits (V,)，被过滤掉的是 -inf。
+def process_logits(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+                   eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """整条处理链：返回处理后的 logits (V,)，被过滤掉的是 -inf。
     每个过滤器都留下最大的那个 logit，所以结果里至少有一个有限值，softmax 不会得到 NaN。
-    贪心时（温度 → 0 的极限）只留重复惩罚后的 argmax（并列取 id 最小的，与 sample() 相同）：分布是 one-hot。"""
-    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    贪心时（温度 → 0 的极限）只留 adjust_logits 之后的 argmax（并列取 id 最小的，与 sample() 相同）：分布是 one-hot。"""
+    logits = adjust_logits(logits, prompt_ids, output_ids, params, eos_ids)
     if params.greedy:
         keep = torch.zeros_like(logits, dtype=torch.bool)   # (V,)
         keep[logits.argmax()] = True
@@ -182,17 +285,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return token
 
 
-def sample(logits: torch.Tensor, history: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-    """logits: (V,) float32，最后一个位置的输出；history: 提示词 + 已生成的 token（重复惩罚用）。"""
+def sample(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+           generator: torch.Generator, eos_ids: Collection[int] = ()) -> int:
+    """logits: (V,) float32，最后一个位置的输出；prompt_ids / output_ids：提示词与已生成的 token（惩罚与 min_tokens 用）；
+    eos_ids：会结束这个请求的 EOS（min_tokens 之前屏蔽；ignore_eos 时传空）。"""
     if params.greedy:
-        # 贪心也要先做重复惩罚（HF 的 do_sample=False 同样如此）；温度和各种截断都不改变 argmax
-        return int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax())
-    probs = process_logits(logits, history, params).softmax(-1)   # (V,)：被过滤的 token 概率正好为 0
+        # 贪心也要先做偏置、惩罚与屏蔽（HF 的 do_sample=False 同样如此）；温度和各种截断都不改变 argmax
+        return int(adjust_logits(logits, prompt_ids, output_ids, params, eos_ids).argmax())
+    probs = process_logits(logits, prompt_ids, output_ids, params, eos_ids).softmax(-1)   # (V,)：被过滤的概率正好为 0
     return draw(probs, generator)
 
 
-def draw_margin(params: SamplingParams):
+def draw_margin(params: SamplingParams, eos_ids: Collection[int] = ()):
     """给 common.compare 用的"离打平多远"（带种子的采样）：返回 f(logits, history, pos, token)；贪心返回 None。
+    history = 提示词 + 参考的前 pos 个输出（所以最后 pos 个是已生成的）。
     重放这个请求的发生器到第 pos 次抽样（非贪心时每个 token 正好抽一次随机数），得到当时的 u；
     token 在累计分布上占区间 [cdf[token-1], cdf[token])，返回 u 到较近那条边界的距离（概率单位）。
     距离很小时，logits 末位的差别就足以把 u 划进相邻 token 的区间。"""
@@ -202,7 +308,8 @@ def draw_margin(params: SamplingParams):
         raise ValueError("draw_margin needs a seed: without one the draws cannot be replayed")
 
     def margin(logits: torch.Tensor, history: list[int], pos: int, token: int) -> float:
-        cdf = process_logits(logits, history, params).softmax(-1).cumsum(-1)   # (V,)
+        n_prompt = len(history) - pos
+        cdf = process_logits(logits, history[:n_prompt], history[n_prompt:], params, eos_ids).softmax(-1).cumsum(-1)
         g = make_generator(params.seed, logits.device)
         for _ in range(pos + 1):                                                 # 第 0..pos 次抽样
             r = torch.rand((), generator=g, device=logits.device)
@@ -221,10 +328,20 @@ def add_sampling_args(parser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="(0, 1]，1 = 不限制；再小也留下概率最大的 token")
     g.add_argument("--min-p", type=float, default=0.0, help="[0, 1]，0 = 不限制")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="有限且 > 0，1 = 不惩罚")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]，0 = 不惩罚；已生成过的 token 的 logit 减去它（OpenAI 的定义）")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]，0 = 不惩罚；已生成的 token 的 logit 减去 出现次数 × 它")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help=">= 0：生成满这么多个 token 之前不会因 EOS、--stop-token-id、停止字符串而结束")
+    g.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID", dest="stop_token_ids",
+                   help="停止 token（可重复）：生成了它就停，它算进输出")
     g.add_argument("--seed", type=int, default=None, help="随机种子：同一设备上同一种子输出相同")
 
 
 def params_from_args(args) -> SamplingParams:
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            min_tokens=args.min_tokens, stop_token_ids=tuple(args.stop_token_ids or ()))
     params.validate()
     return params

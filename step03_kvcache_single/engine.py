@@ -31,12 +31,13 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
              ignore_eos: bool = False, cache="prealloc", stop_strings=(), tokenizer=None) -> list[int]:
     """返回新 token，停止条件与 step02 相同。cache: "prealloc" / "cat"，或一个空的缓存对象（测试与基准用，
     好在生成后查看它复制了多少字节）。"""
-    params.validate()
+    params.validate(model.cfg.vocab_size)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the generated text")
     generator = make_generator(params.seed, model.device)
+    end_ids = () if ignore_eos else tuple(eos_ids)   # 同 step02：min_tokens 之前屏蔽
     # >>> step03 新增：建缓存。最后生成的那个 token 不会再喂回模型，所以需要 提示词 + N - 1 个位置
     if isinstance(cache, str):
         if cache not in CACHES:
@@ -49,14 +50,13 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
     ids = list(prompt_ids)
     out = []
     while True:
-        tok = sample(logits, ids, params, generator)
+        tok = sample(logits, prompt_ids, out, params, generator, end_ids)
         ids.append(tok)
         out.append(tok)
         if len(out) == max_new_tokens:
             break
-        if tok in eos_ids and not ignore_eos:
-            break
-        if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
+        if len(out) >= params.min_tokens and (tok in end_ids or tok in params.stop_token_ids or (
+                stop_strings and any(s in tokenizer.decode(out) for s in stop_strings))):
             break
         # >>> step03 修改：decode 只喂新 token，它的位置是它在整段序列里的下标 len(ids) - 1
         logits = forward(model, cache, [tok], start=len(ids) - 1)

@@ -76,7 +76,7 @@ def generate_batch(model, requests: list[Request], max_batch_size: int, eos_ids=
     if max_batch_size < 1:
         raise UserError(f"max_batch_size must be >= 1, got {max_batch_size}")
     for r in requests:   # 先检查全部请求，再开始生成：不会跑了一半才报错
-        r.validate(model.cfg.max_position_embeddings)
+        r.validate(model.cfg.max_position_embeddings, model.cfg.vocab_size)
     if tokenizer is None and any(r.stop for r in requests):
         raise ValueError("stop strings need a tokenizer to decode the generated text")
     seqs = [Sequence(r, make_generator(r.params.seed, model.device)) for r in requests]
@@ -131,7 +131,9 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor, eos_ids, tokenizer, 
     已结束的行不采样，也就不消耗它的随机数。这一步的 token 一起产出：首 token / 结束时刻记这一步采样完的时刻。"""
     active = [(row, s) for row, s in enumerate(seqs) if not s.finished]
     for row, s in active:
-        s.append(sample(logits[row], s.token_ids, s.request.params, s.generator), eos_ids, tokenizer)
+        r = s.request
+        token = sample(logits[row], r.prompt_ids, s.output_ids, r.params, s.generator, r.end_ids(eos_ids))
+        s.append(token, eos_ids, tokenizer)
     now = time.perf_counter() - t0
     for _, s in active:
         if s.first_token_time is None:

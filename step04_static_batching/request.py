@@ -28,8 +28,9 @@ class Request:
     # 提示词每个 token 的（第一个没有前文）；给了它 max_new_tokens 可以是 0：只 prefill、不采样。vLLM 的 prompt_logprobs
     prompt_logprobs: Optional[int] = None
 
-    def validate(self, context_len: int) -> None:
-        """非法输入抛 UserError：在任何一个请求开始生成之前，先把所有请求都检查一遍。"""
+    def validate(self, context_len: int, vocab_size: int | None = None) -> None:
+        """非法输入抛 UserError：在任何一个请求开始生成之前，先把所有请求都检查一遍。
+        vocab_size：给了就检查采样参数里的 token id（logit_bias、stop_token_ids）在词表之内。"""
         if not self.prompt_ids:
             raise UserError("empty prompt")
         if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.prompt_logprobs is None):
@@ -44,7 +45,24 @@ class Request:
                             f"that exceeds the model's context of {context_len} tokens")
         if any(not s for s in self.stop):
             raise UserError("stop strings must not be empty")
-        self.params.validate()
+        self.params.validate(vocab_size)
+        if self.params.min_tokens > self.max_new_tokens:   # vLLM 同样拒绝
+            raise UserError(f"min_tokens ({self.params.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+
+    def end_ids(self, eos_ids) -> tuple[int, ...]:
+        """会结束这个请求的 EOS（ignore_eos 时没有）：采样器在 min_tokens 之前屏蔽它们（连同 stop_token_ids）。"""
+        return () if self.ignore_eos else tuple(eos_ids)
+
+    def stops(self, output_ids: list[int], eos_ids, tokenizer=None) -> bool:
+        """刚 append 了 output_ids[-1] 之后，这个请求是否因为"停止"而结束（与 step02 的 generate 相同的规则）：
+        EOS（ignore_eos 时不算）或 stop_token_ids 里的 token（都算进输出）；新生成的文本里出现停止字符串
+        （包含补全它的那个 token；每步把全部新 token 重新解码再找，不会漏掉跨 token 的停止串）。
+        生成满 min_tokens 个之前都不算（vLLM 相同；EOS 与停止 token 此时已被采样器屏蔽，这里只是兜底）。"""
+        if len(output_ids) < self.params.min_tokens:
+            return False
+        token = output_ids[-1]
+        return (token in self.end_ids(eos_ids) or token in self.params.stop_token_ids
+                or (bool(self.stop) and any(s in tokenizer.decode(output_ids) for s in self.stop)))
 
     def parallel_samples(self, n: int) -> list["Request"]:
         """同一个提示词的 n 个样本（step06 起 run.py 的 --n、step11 的 n）：种子 S, S+1, ..., S+n-1
@@ -67,16 +85,13 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """提示词 + 已生成：采样器的 history（重复惩罚要用），与 step03 传给 sample() 的相同。"""
+        """提示词 + 已生成（step03 里的 ids）。"""
         return self.request.prompt_ids + self.output_ids
 
     def append(self, token: int, eos_ids, tokenizer=None) -> bool:
-        """记下一个新 token，按这一行自己的条件判断是否结束，返回 finished。条件与 step03 相同：生成满 max_new_tokens；
-        遇到 EOS（EOS 也算进输出）；新生成的文本里出现停止字符串（包含补全它的那个 token；每步把全部新 token
-        重新解码再找，不会漏掉跨 token 的停止串）。"""
+        """记下一个新 token，按这一行自己的条件判断是否结束，返回 finished。条件与 step03 相同：生成满 max_new_tokens，
+        或 Request.stops（EOS、停止 token、停止字符串；min_tokens 之前不算）。"""
         self.output_ids.append(token)
         r = self.request
-        self.finished = (len(self.output_ids) == r.max_new_tokens
-                         or (token in eos_ids and not r.ignore_eos)
-                         or (bool(r.stop) and any(s in tokenizer.decode(self.output_ids) for s in r.stop)))
+        self.finished = len(self.output_ids) == r.max_new_tokens or r.stops(self.output_ids, eos_ids, tokenizer)
         return self.finished

@@ -101,7 +101,7 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> int:
         """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
-        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        request.validate(self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
         need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
         if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
             raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
@@ -151,8 +151,10 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)   # 新写满的块登记进前缀缓存（之后结束、被抢占也还能命中）
             if not rows:
                 continue
-            # 与 step03 调用同一个 sample()：history = 提示词 + 已生成，发生器是这个请求自己的
-            token = sample(logits[rows.start], seq.token_ids, seq.request.params, seq.generator)
+            # 与 step03 调用同一个 sample()：提示词、已生成的 token、会结束它的 EOS（min_tokens 用），发生器是这个请求自己的
+            r = seq.request
+            token = sample(logits[rows.start], r.prompt_ids, seq.output_ids, r.params, seq.generator,
+                           r.end_ids(self.eos_ids))
             reason = seq.append_token(token, self.eos_ids, self.tokenizer)
             seq.token_times.append(now)
             if seq.first_token_time is None:         # 被抢占后重算的那次 prefill 不算"首 token"

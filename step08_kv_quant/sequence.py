@@ -69,7 +69,7 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """提示词 + 已生成：要算 K/V 的全部 token，也是采样器的 history（重复惩罚要用）。"""
+        """提示词 + 已生成：要算 K/V 的全部 token（采样器分开要 request.prompt_ids 与 output_ids）。"""
         return self.request.prompt_ids + self.output_ids
 
     @property
@@ -78,11 +78,9 @@ class Sequence:
 
     def append_token(self, token: int, eos_ids, tokenizer=None) -> Optional[str]:
         """记下一个新 token；按与 step03 相同的条件判断是否该停，返回结束原因（还没结束为 None）：
-        EOS（算进输出）或新生成的文本里出现停止字符串 → "stop"（每步把全部新 token 重新解码再找，不会漏掉跨 token
-        的停止串）；生成满 max_new_tokens → "length"。两者同时成立时算 "stop"（与 vLLM 相同）。"""
+        Request.stops（EOS 或 stop_token_ids 里的 token，都算进输出；新生成的文本里出现停止字符串；生成满 min_tokens
+        之前都不算）→ "stop"；生成满 max_new_tokens → "length"。两者同时成立时算 "stop"（与 vLLM 相同）。"""
         self.output_ids.append(token)
-        r = self.request
-        if (token in eos_ids and not r.ignore_eos) or (r.stop and any(s in tokenizer.decode(self.output_ids)
-                                                                     for s in r.stop)):
+        if self.request.stops(self.output_ids, eos_ids, tokenizer):
             return "stop"
-        return "length" if len(self.output_ids) == r.max_new_tokens else None
+        return "length" if len(self.output_ids) == self.request.max_new_tokens else None

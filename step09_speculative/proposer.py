@@ -66,14 +66,15 @@ class NgramProposer:
         pass                                                # 没有按请求保存的状态
 
 
-def draft_token(logits: torch.Tensor, history: list[int], params: SamplingParams,
+def draft_token(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], params: SamplingParams,
                 generator: torch.Generator) -> tuple[int, Optional[torch.Tensor]]:
-    """草稿模型走一步：logits (V,) → (猜的 token, 它是从哪个分布 q 抽出来的 (V,))。
-    用与目标相同的 step02 处理链（重复惩罚、温度、top-k/p、min-p）：q 离 p 越近，接受率越高。
+    """草稿模型走一步：logits (V,) → (猜的 token, 它是从哪个分布 q 抽出来的 (V,))。output_ids = 已生成 + 这一轮已猜的。
+    用与目标相同的 step02 处理链（偏置、惩罚、min_tokens、温度、top-k/p、min-p）：q 离 p 越近，接受率越高。
+    草稿不知道 EOS（不传 eos_ids）：min_tokens 之前猜了 EOS 也只是被目标拒绝（那里 p(EOS) = 0），输出的分布不变。
     贪心时直接取 argmax（与 step02 相同），q 是 one-hot，返回 None。"""
     if params.greedy:
-        return sample(logits, history, params, generator), None
-    q = process_logits(logits.float(), history, params).softmax(-1)   # (V,)
+        return sample(logits, prompt_ids, output_ids, params, generator), None
+    q = process_logits(logits.float(), prompt_ids, output_ids, params).softmax(-1)   # (V,)
     return draw(q, generator), q
 
 
@@ -145,7 +146,9 @@ class DraftModelProposer:
                 st.num_computed_tokens += m
             live = [x for x in live if x[1].num_computed_tokens == x[1].num_tokens]   # 追上了的：各有一行 logits
             for (seq, st, _), row in zip(live, logits):
-                token, q = draft_token(row, st.token_ids, seq.request.params, seq.generator)
+                n_prompt = len(seq.request.prompt_ids)   # st.token_ids = 提示词 + 已生成 + 这一轮已猜的
+                token, q = draft_token(row, st.token_ids[:n_prompt], st.token_ids[n_prompt:], seq.request.params,
+                                       seq.generator)
                 st.token_ids.append(token)                   # 下一步把它喂回去（最后一个猜测不再喂）
                 ids, qs = drafts.setdefault(seq.request_id, ([], []))
                 ids.append(token)

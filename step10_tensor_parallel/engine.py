@@ -198,7 +198,7 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> int:
         """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
-        request.validate(self.model.cfg.max_position_embeddings)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        request.validate(self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
         need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
         if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
             raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
@@ -334,10 +334,12 @@ class LLMEngine:
                                              prompt_logprobs=prompt_lps))
                 continue
             # logits 的这 1 + k 行：第 i 行判断第 i+1 个猜测，最后一行给奖励 token
-            # 与 step03 同一套采样：history = 提示词 + 已生成，发生器是这个请求自己的；没有猜测时就是一次 sample()
+            # 与 step03 同一套采样：提示词、已生成（接受的猜测随之变长）、会结束它的 EOS，发生器是这个请求自己的；
+            # 没有猜测时就是一次 sample()
+            r = seq.request
             try:
-                tokens = verify(logits[rows.start:rows.stop], seq.token_ids, Proposal(spec, seq.spec_probs),
-                                seq.request.params, seq.generator)
+                tokens = verify(logits[rows.start:rows.stop], r.prompt_ids, seq.output_ids,
+                                Proposal(spec, seq.spec_probs), r.params, seq.generator, r.end_ids(self.eos_ids))
                 if not all(0 <= t < logits.shape[-1] for t in tokens):   # 坏了的分布（NaN）采出越界的 id：喂回模型会让下一步的前向整批出错
                     raise ValueError(f"sampling produced token ids outside the vocabulary: {tokens}")
             except Exception as e:   # 只属于这个请求（它的采样）：只结束它，同一批别的请求照常；服务器据此只回它一个错误

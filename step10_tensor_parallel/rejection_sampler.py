@@ -1,8 +1,9 @@
 """验证：目标模型对 k 个猜测一次前向，得到 k+1 个位置的 logits，决定留下几个、再补哪一个。
 
-记号：history = 提示词 + 已生成；猜测 d_1..d_k；logits[i] 是目标模型在 history + d_1..d_i 之后给出的 logits
-（位置 0 就是不猜时这一步本来要算的那个）。每个位置都用完整的 step02 处理链得到目标分布 p_i，
-重复惩罚看的 history 随着接受的猜测一起变长——与一个一个地 decode 时完全相同。
+记号：提示词 prompt_ids、已生成 output_ids；猜测 d_1..d_k；logits[i] 是目标模型在 提示词 + 已生成 + d_1..d_i 之后
+给出的 logits（位置 0 就是不猜时这一步本来要算的那个）。每个位置都用完整的 step02 处理链得到目标分布 p_i，
+接受了的猜测算作已生成的 token（output_ids + d_1..d_i）：惩罚数的次数、min_tokens 数的个数都随之变长——
+与一个一个地 decode 时完全相同（所以 min_tokens 之前 EOS / 停止 token 在每个位置都被屏蔽，永远不会被接受）。
 
 贪心：p_i 的 argmax 与 d_{i+1} 相同就接受，继续；第一个不同的位置输出目标的 argmax（更正）然后停；
       k 个全对就再输出位置 k 的 argmax（奖励 token，bonus）。输出与逐个贪心 decode 逐 token 相同。
@@ -32,34 +33,37 @@ def leftover(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual
 
 
-def verify(logits: torch.Tensor, history: list[int], proposal: Proposal, params: SamplingParams,
-           generator: torch.Generator) -> list[int]:
-    """logits (k+1, V)：目标模型在 k+1 个位置的输出 → 输出的 token（接受的猜测 + 一个更正或奖励 token）。"""
+def verify(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], proposal: Proposal,
+           params: SamplingParams, generator: torch.Generator, eos_ids=()) -> list[int]:
+    """logits (k+1, V)：目标模型在 k+1 个位置的输出 → 输出的 token（接受的猜测 + 一个更正或奖励 token）。
+    eos_ids：会结束这个请求的 EOS（同 sample()，min_tokens 之前屏蔽）。"""
     assert logits.shape[0] == len(proposal.token_ids) + 1, (logits.shape, len(proposal.token_ids))
     logits = logits.float()                            # 模型已经给出 float32（common/model.py）；这里只防别的调用者
     if params.greedy:
-        return verify_greedy(logits, history, proposal.token_ids, params)
-    return verify_sampled(logits, history, proposal, params, generator)
+        return verify_greedy(logits, prompt_ids, output_ids, proposal.token_ids, params, eos_ids)
+    return verify_sampled(logits, prompt_ids, output_ids, proposal, params, generator, eos_ids)
 
 
-def verify_greedy(logits: torch.Tensor, history: list[int], draft: list[int], params: SamplingParams) -> list[int]:
-    # 与 step02 的贪心同一个函数 sample()（重复惩罚 + argmax，并列时取 id 最小的）；history + out 正是逐个 decode 时的历史
+def verify_greedy(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], draft: list[int],
+                  params: SamplingParams, eos_ids=()) -> list[int]:
+    # 与 step02 的贪心同一个函数 sample()（偏置、惩罚、屏蔽 + argmax，并列时取 id 最小的）；
+    # output_ids + out 正是逐个 decode 时的已生成
     out: list[int] = []
     for i, d in enumerate(draft):
-        token = sample(logits[i], history + out, params, None)
+        token = sample(logits[i], prompt_ids, output_ids + out, params, None, eos_ids)
         if token != d:
             return out + [token]                        # 第一个不同的位置：目标的 argmax 就是更正
         out.append(d)
-    out.append(sample(logits[-1], history + out, params, None))   # 全部猜对：奖励 token
+    out.append(sample(logits[-1], prompt_ids, output_ids + out, params, None, eos_ids))   # 全部猜对：奖励 token
     return out
 
 
-def verify_sampled(logits: torch.Tensor, history: list[int], proposal: Proposal, params: SamplingParams,
-                   generator: torch.Generator) -> list[int]:
+def verify_sampled(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], proposal: Proposal,
+                   params: SamplingParams, generator: torch.Generator, eos_ids=()) -> list[int]:
     draft, q_all = proposal.token_ids, proposal.draft_probs
     out: list[int] = []
     for i, d in enumerate(draft):
-        p = process_logits(logits[i], history + out, params).softmax(-1)   # (V,)：目标分布 p_i
+        p = process_logits(logits[i], prompt_ids, output_ids + out, params, eos_ids).softmax(-1)   # (V,)：目标 p_i
         if q_all is None:
             q = torch.zeros_like(p)                                               # (V,)：确定性的猜测，q_i 是 one-hot
             q[d] = 1.0
@@ -71,5 +75,6 @@ def verify_sampled(logits: torch.Tensor, history: list[int], proposal: Proposal,
             continue
         out.append(draw(leftover(p, q), generator))     # 被拒绝：从剩下的概率里抽一个更正
         return out
-    out.append(sample(logits[-1], history + out, params, generator))   # 全部接受：奖励 token 照常从 p_k 抽
+    # 全部接受：奖励 token 照常从 p_k 抽
+    out.append(sample(logits[-1], prompt_ids, output_ids + out, params, generator, eos_ids))
     return out

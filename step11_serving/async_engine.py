@@ -81,7 +81,8 @@ class RequestHandle:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.added = asyncio.get_running_loop().create_future()   # 引擎接下（或拒绝）这些请求时完成
         self.request_ids: list[int] = []
-        self.detoks = [IncrementalDetokenizer(owner.tokenizer, r.stop) for r in requests]
+        self.detoks = [IncrementalDetokenizer(owner.tokenizer, r.stop, r.params.min_tokens,
+                                              getattr(r, "include_stop_str_in_output", False)) for r in requests]
         self.first_token: list[Optional[float]] = [None] * n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.cached_tokens = [0] * n
@@ -278,10 +279,14 @@ class AsyncLLMEngine:
             err = getattr(out, "error", None)
             raise RequestFailed(f"{type(err).__name__}: {err}" if err is not None else "the engine failed this request")
         det, text, kept, offsets = h.detoks[i], "", [], []
-        for t in out.new_token_ids:                        # 一个一个喂：投机解码一步出几个 token，停止串之后的不要
+        for j, t in enumerate(out.new_token_ids):          # 一个一个喂：投机解码一步出几个 token，停止串之后的不要
             offsets.append(len(det.text))                  # logprobs 的 text_offset：这个 token 之前已解码出的字符数
-            text += det.push([t])
             kept.append(t)
+            # 引擎报 "stop" 只可能是最后这个 token 是 EOS 或停止 token（停止串只在这一层找）：它的 id 在输出里，
+            # 文本不发（vLLM 相同；EOS 是特殊 token，本来就解码成空串），除非 include_stop_str_in_output
+            if out.finish_reason == "stop" and j == len(out.new_token_ids) - 1 and not det.include_stop_str:
+                break
+            text += det.push([t])
             if det.stopped:
                 break
         if kept:

@@ -4,8 +4,9 @@
    单独解码这几个 token 得到的是替换符 U+FFFD（"�"）。所以只在新解码出的文本不以 U+FFFD 结尾时才发出。
 2. 与整段解码完全相同。每次只解码"上一次发出的那几个 token + 新 token"这个小窗口（vLLM 的 prefix_offset /
    read_offset），新文本 = 窗口的解码去掉上一次那段的解码；结束时再整段解码一次，补上最后留着没发的部分。
-3. 不把停止字符串发出去。OpenAI 的语义：返回的文本到停止字符串之前为止、不含它。停止字符串可能跨好几个 token
-   陆续出现，所以文本末尾"可能是某个停止串开头"的那一段先留着，确定不是再发。
+3. 不把停止字符串发出去。OpenAI 的语义：返回的文本到停止字符串之前为止、不含它（vLLM 的 include_stop_str_in_output
+   时到停止串的末尾为止）。停止字符串可能跨好几个 token 陆续出现，所以文本末尾"可能是某个停止串开头"的那一段先留着，
+   确定不是再发。min_tokens：生成满这么多个 token 之前停止串不算（vLLM 相同），这段文本照常发出。
 
 服务器的停止字符串只在这里找（引擎拿到的请求不带停止串）：每来一个 token 只看文本的尾巴——还没发出的那段加上
 "最长的停止串减一"个已发出的字符——而不是把整段输出重新解码再从头找（那样每个 token 的代价随输出变长而增长，
@@ -17,9 +18,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, include_stop_str: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens           # 收到这么多个 token 之前不找停止串
+        self.include_stop_str = include_stop_str   # 发出的文本包含停止串本身（vLLM 的 include_stop_str_in_output）
         self.max_stop = max(map(len, self.stop), default=0)
         self.ids: list[int] = []
         self.prefix_offset = 0     # 窗口从这里开始：上一次发出的那几个 token
@@ -51,11 +54,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         end = len(self.text)
-        if self.stop:
+        if self.stop and len(self.ids) >= self.min_tokens:
             start = max(0, self.sent - self.max_stop)      # 停止串不可能整个落在已发出的部分里
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                end, self.stopped = min(hits), True
+                at, after = min(hits)                      # 最早出现的那个停止串：从哪开始、到哪结束
+                end, self.stopped = (after if self.include_stop_str else at), True
             elif not final:
                 end -= self._held_back()
         out = self.text[self.sent:end]

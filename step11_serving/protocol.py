@@ -49,7 +49,7 @@ class APIError(Exception):
 
 
 class _Model(BaseModel):
-    # 不认识的字段拒绝（400，指名字段）而不是悄悄忽略：客户端以为起了作用的参数（例如 presence_penalty），
+    # 不认识的字段拒绝（400，指名字段）而不是悄悄忽略：客户端以为起了作用的参数（例如 best_of），
     # 其实什么也没做，是最难查的一种错。OpenAI 有、这里没实现的字段见 _reject_unsupported：只接受"等于没用"的值
     model_config = ConfigDict(extra="forbid")
 
@@ -72,8 +72,8 @@ class ChatMessage(_Model):
 
 
 class _SamplingRequest(_Model):
-    """两个端点共用的字段。默认值与 OpenAI 相同（temperature 1）；top_k / min_p / repetition_penalty /
-    ignore_eos 是 vLLM 加的扩展字段，openai 客户端经 extra_body 发送。"""
+    """两个端点共用的字段。默认值与 OpenAI 相同（temperature 1）；top_k / min_p / repetition_penalty / ignore_eos /
+    min_tokens / stop_token_ids / include_stop_str_in_output 是 vLLM 加的扩展字段，openai 客户端经 extra_body 发送。"""
     model: Optional[StrictStr] = None
     n: StrictInt = 1
     max_tokens: Optional[StrictInt] = None
@@ -82,21 +82,22 @@ class _SamplingRequest(_Model):
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    # JSON 对象的键总是字符串："50256" → 50256（OpenAI 的写法）；不是整数的键 400
+    logit_bias: Optional[dict[int, Number]] = None
     seed: Optional[StrictInt] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Optional[list[StrictInt]] = None   # vLLM 的扩展：生成了其中任一个就停（它的 id 在输出里，文本不在）
+    min_tokens: Optional[StrictInt] = None             # vLLM 的扩展：这么多个 token 之前 EOS、停止 token、停止串都不算
+    include_stop_str_in_output: StrictBool = False     # vLLM 的扩展：返回的文本包含停止串（或停止 token 的文本）
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
     user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
     # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    logit_bias: object = None
     response_format: object = None
-    stop_token_ids: object = None          # vLLM 的扩展
-    min_tokens: object = None              # vLLM 的扩展
-    include_stop_str_in_output: object = None   # vLLM 的扩展
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -179,9 +180,7 @@ def validate_body(cls, obj: dict):
 # 而不是 200 却没有效果。best_of 另外还接受等于 n。
 UNSUPPORTED = {
     "best_of": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}), "suffix": (None, ""), "stop_token_ids": (None, []),
-    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
@@ -214,6 +213,12 @@ def _same(value, allowed) -> bool:
 
 def _show(v) -> str:
     return json.dumps(v)
+
+
+@dataclass
+class ServedRequest(Request):
+    """服务器的请求：引擎的 Request（step04）加上只有文本那一侧（async_engine 的增量解码器）用的选项；引擎不看它。"""
+    include_stop_str_in_output: bool = False   # 文本里保留停止串（或结束它的那个停止 token 的文本），同 vLLM
 
 
 @dataclass
@@ -267,11 +272,17 @@ def sampling_params(req: _SamplingRequest) -> SamplingParams:
         top_p=1.0 if req.top_p is None else float(req.top_p),
         min_p=0.0 if req.min_p is None else float(req.min_p),
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-        seed=req.seed)
+        seed=req.seed,
+        presence_penalty=0.0 if req.presence_penalty is None else float(req.presence_penalty),
+        frequency_penalty=0.0 if req.frequency_penalty is None else float(req.frequency_penalty),
+        logit_bias={t: float(b) for t, b in (req.logit_bias or {}).items()},
+        min_tokens=req.min_tokens or 0,
+        stop_token_ids=tuple(req.stop_token_ids or ()))
     try:
-        params.validate()
-    except UserError as e:
-        raise APIError(400, str(e)) from None
+        params.validate()   # 词表范围（logit_bias、stop_token_ids 的 id）由引擎的 add_request 再查一次：这里不知道词表
+    except UserError as e:   # validate 的消息以字段名开头：把它填进 param
+        name = str(e).split(" ", 1)[0].rstrip(":")
+        raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
     return params
 
 
@@ -321,8 +332,9 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
     requests = []
     for ids in prompts:
         n_new = max_tokens if max_tokens is not None else default_max_tokens(ids)
-        requests += Request(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs).parallel_samples(req.n)
+        requests += ServedRequest(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs,
+                                  include_stop_str_in_output=req.include_stop_str_in_output).parallel_samples(req.n)
     return EngineInputs(requests, sum(len(ids) for ids in prompts))
 
 

@@ -48,7 +48,9 @@ def main(args) -> bool:
         r = client.completions.create(
             model=s.path.name, prompt=prompt_ids, max_tokens=args.max_new_tokens, n=args.n, stop=stop or None,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             extra_body={"top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                        "min_tokens": params.min_tokens, "stop_token_ids": list(params.stop_token_ids),
                         "ignore_eos": args.ignore_eos, "return_token_ids": True})
     choices = sorted(r.choices, key=lambda c: c.index)          # index = 第几个提示词 × n + 第几个样本
     prompts = [p for p in args.prompt for _ in range(args.n)]

@@ -152,8 +152,13 @@ def accepted_sampling_params():
     penalties = st.one_of(st.sampled_from([5e-324, 1e-45, 1e-40, 1e-6, 1.0, 1.3, 1e6, 1e300]),
                           st.floats(min_value=0.0, max_value=1e6, exclude_min=True),
                           st.floats(min_value=0.0, exclude_min=True, allow_infinity=False))
+    openai_penalties = st.one_of(st.sampled_from([-2.0, 0.0, 2.0]), st.floats(min_value=-2.0, max_value=2.0))
+    # token id 只用 0：测试的词表小到 1（那时 stop_token_ids=(0,) 覆盖整个词表，min_tokens 不能屏蔽它）
+    biases = st.dictionaries(st.just(0), st.one_of(st.sampled_from([-100.0, 100.0]), st.floats(-100.0, 100.0)))
     return st.builds(SamplingParams, temperature=temperatures, top_k=st.one_of(st.just(0), st.integers(0, 40)),
-                     top_p=top_ps, min_p=min_ps, repetition_penalty=penalties, seed=st.integers(0, 2**63 - 1))
+                     top_p=top_ps, min_p=min_ps, repetition_penalty=penalties, seed=st.integers(0, 2**63 - 1),
+                     presence_penalty=openai_penalties, frequency_penalty=openai_penalties, logit_bias=biases,
+                     min_tokens=st.integers(0, 8), stop_token_ids=st.sampled_from([(), (0,)]))
 
 
 def cli_error(run_module, argv: list[str], capsys) -> str:

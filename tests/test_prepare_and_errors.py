@@ -142,6 +142,8 @@ EXTREME_ARGS = [
     ["--temperature", "1e-40"], ["--repetition-penalty", "1e-40", "--temperature", "0.8"],
     ["--repetition-penalty", "1e6", "--temperature", "0.8"], ["--top-p", "1e-30", "--temperature", "0.8"],
     ["--temperature", "1e6"], ["--temperature", "5e-324", "--repetition-penalty", "1e-300"],
+    ["--temperature", "1e-5", "--repetition-penalty", "1e-40", "--frequency-penalty", "-2", "--presence-penalty", "-2",
+     "--min-tokens", "3", "--stop-token-id", "0"],
 ]
 # step02（逐个生成）、step05（批处理的引擎）、step09（投机解码：草稿模型用同一个小模型，草稿与验证都走抽样）
 EXTREME_STEPS = {"step02_sampling": [], "step05_paged": ["--num-blocks", "4"],

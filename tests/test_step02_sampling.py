@@ -20,9 +20,9 @@ from step02_sampling import worked_example
 from step02_sampling.distribution import (binned, empirical_probs, hf_filtered_probs, top_bins, tv_bound,
                                           tv_distance)
 from step02_sampling.engine import generate
-from step02_sampling.sampler import (TOP_P_FIRST_K, SamplingParams, apply_min_p, apply_repetition_penalty,
-                                     apply_temperature, apply_top_k, apply_top_p, draw, draw_margin, make_generator,
-                                     process_logits, sample)
+from step02_sampling.sampler import (TOP_P_FIRST_K, SamplingParams, adjust_logits, apply_min_p,
+                                     apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p, draw,
+                                     draw_margin, make_generator, process_logits, sample)
 
 NEG_INF = float("-inf")
 
@@ -90,8 +90,8 @@ FILTER_CASES = [
 def test_process_logits_matches_hf_processors(params, seed):
     logits = random_logits(seed)
     history = torch.randint(0, len(logits), (40,), generator=torch.Generator().manual_seed(seed)).tolist()
-    ours = process_logits(logits, history, params).softmax(-1)
-    ref = hf_filtered_probs(logits, history, params)
+    ours = process_logits(logits, history, [], params).softmax(-1)
+    ref = hf_filtered_probs(logits, history, [], params)
     assert torch.equal(ours > 0, ref > 0), "保留的 token 集合与 HF 不同"
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
 
@@ -161,11 +161,11 @@ def test_sample_is_inverse_cdf_draw_from_hf_distribution(params):
     过滤错了、顺序错了、抽样偏了一位、多耗或少耗了随机数，都会在某一次对不上。
     （下面的抽样分布检验直接在 process_logits 的分布上 draw：这个测试保证那就是 sample() 抽样的分布。）"""
     logits, history = random_logits(7), [1, 2, 3, 3]
-    ref = hf_filtered_probs(logits, history, params).double()     # (V,)
+    ref = hf_filtered_probs(logits, history, [], params).double()     # (V,)
     cdf = ref.cumsum(-1) / ref.sum()                               # (V,)
     g, replay = make_generator(11, "cpu"), make_generator(11, "cpu")
     for _ in range(200):
-        tok = sample(logits, history, params, g)
+        tok = sample(logits, history, [], params, g)
         u = float(torch.rand((), generator=replay))
         lo, hi = (float(cdf[tok - 1]) if tok else 0.0), float(cdf[tok])
         assert ref[tok] > 0 and lo - 1e-6 <= u < hi + 1e-6, (tok, u, lo, hi)
@@ -175,19 +175,19 @@ def test_greedy_consumes_no_randomness():
     g = make_generator(3, "cpu")
     before = g.get_state()
     logits = random_logits(0)
-    assert sample(logits, [5], SamplingParams(temperature=0.0, repetition_penalty=1.3), g) == int(
+    assert sample(logits, [5], [], SamplingParams(temperature=0.0, repetition_penalty=1.3), g) == int(
         apply_repetition_penalty(logits, [5], 1.3).argmax())
-    assert sample(logits, [], SamplingParams(temperature=5.0, top_k=1), g) == int(logits.argmax())
+    assert sample(logits, [], [], SamplingParams(temperature=5.0, top_k=1), g) == int(logits.argmax())
     assert torch.equal(g.get_state(), before)
 
 
 def test_generator_seed_reproducible_and_independent_of_global_rng():
     logits, params = random_logits(1), SamplingParams(temperature=1.0)
-    a = [sample(logits, [], params, g) for g in [make_generator(42, "cpu")] for _ in range(30)]
+    a = [sample(logits, [], [], params, g) for g in [make_generator(42, "cpu")] for _ in range(30)]
     torch.manual_seed(123)
     torch.rand(10)                                            # 动一下全局随机数：不应影响结果
-    b = [sample(logits, [], params, g) for g in [make_generator(42, "cpu")] for _ in range(30)]
-    c = [sample(logits, [], params, g) for g in [make_generator(43, "cpu")] for _ in range(30)]
+    b = [sample(logits, [], [], params, g) for g in [make_generator(42, "cpu")] for _ in range(30)]
+    c = [sample(logits, [], [], params, g) for g in [make_generator(43, "cpu")] for _ in range(30)]
     assert a == b and a != c
 
 
@@ -202,7 +202,7 @@ def test_draw_never_picks_zero_probability_tokens():
 
 @pytest.fixture(scope="module")
 def prefix_logits(real):
-    return step02_run.distribution_prefix(real)   # (history, logits (V,))：与 run.py 的检查 (c) 相同
+    return step02_run.distribution_prefix(real)   # (提示词, 已生成, logits (V,))：与 run.py 的检查 (c) 相同
 
 
 def binned_tv(p, theory):
@@ -212,9 +212,9 @@ def binned_tv(p, theory):
 
 @pytest.mark.parametrize("name, params", step02_run.DIST_CASES, ids=[n for n, _ in step02_run.DIST_CASES])
 def test_draws_match_theoretical_distribution(prefix_logits, name, params):
-    history, logits = prefix_logits
-    theory = hf_filtered_probs(logits, history, params)
-    probs = process_logits(logits, history, params).softmax(-1)
+    prompt, output, logits = prefix_logits
+    theory = hf_filtered_probs(logits, prompt, output, params)
+    probs = process_logits(logits, prompt, output, params).softmax(-1)
     g = make_generator(2024, "cpu")
     draws = [draw(probs, g) for _ in range(step02_run.DRAWS)]
     tv, bound = binned_tv(empirical_probs(draws, len(theory)), theory)
@@ -229,22 +229,24 @@ def test_draws_match_theoretical_distribution(prefix_logits, name, params):
 #   top-p 0.8       → 先 top-p 再温度（顺序错）TV ≈ 0.18
 #   min-p 0.1       → 用绝对门槛 p ≥ 0.1       TV ≈ 0.61
 #   combined        → 忘了重复惩罚             TV ≈ 0.51
+#   penalties       → 忘了 presence/frequency  TV ≈ 0.40（只忘了偏置 ≈ 0.02：抽样看不出，逐元素对照抓住它）
 # 这些都远大于上界：抽样检验会失败。组合里的顺序错误（先 top-p 再 top-k、温度放到最后……）只有上界的 1.2–2.6 倍，
 # 更细的错误（比如 top-p 多留一个边界 token）抽样根本看不出：它们由逐元素对照 HF 的测试抓住。
 WRONG = {
-    "temperature": lambda z, h: apply_temperature(z, 1.0),
-    "top_k": lambda z, h: apply_temperature(z, 1.0),
-    "top_p": lambda z, h: apply_temperature(apply_top_p(z, 0.8), 0.7),
-    "min_p": lambda z, h: z.masked_fill(z.softmax(-1) < 0.1, NEG_INF),
-    "combined": lambda z, h: process_logits(z, h, SamplingParams(temperature=0.8, top_k=40, top_p=0.7, min_p=0.05)),
+    "temperature": lambda z, p, o: apply_temperature(z, 1.0),
+    "top_k": lambda z, p, o: apply_temperature(z, 1.0),
+    "top_p": lambda z, p, o: apply_temperature(apply_top_p(z, 0.8), 0.7),
+    "min_p": lambda z, p, o: z.masked_fill(z.softmax(-1) < 0.1, NEG_INF),
+    "combined": lambda z, p, o: process_logits(z, p, o, SamplingParams(temperature=0.8, top_k=40, top_p=0.7, min_p=0.05)),
+    "penalties": lambda z, p, o: process_logits(z, p, o, SamplingParams(temperature=0.7, logit_bias={0: 10.0})),
 }
 
 
 @pytest.mark.parametrize("name, params", step02_run.DIST_CASES, ids=[n for n, _ in step02_run.DIST_CASES])
 def test_tv_bound_catches_wrong_filter(prefix_logits, name, params):
-    history, logits = prefix_logits
-    theory = hf_filtered_probs(logits, history, params)
-    wrong = WRONG[name](logits, history).softmax(-1)
+    prompt, output, logits = prefix_logits
+    theory = hf_filtered_probs(logits, prompt, output, params)
+    wrong = WRONG[name](logits, prompt, output).softmax(-1)
     tv, bound = binned_tv(wrong, theory)
     assert tv > 2 * bound, f"{name}: a wrong filter gives TV {tv:.4f}, too close to bound {bound:.4f}"
 
@@ -263,7 +265,7 @@ def test_processing_order_matches_hf_generate(real):
                               output_scores=True, output_logits=True, return_dict_in_generate=True,
                               pad_token_id=real.tok.eos_ids[0])
         raw, processed = out.logits[0][0], out.scores[0][0]           # (V,) 各一份
-        ours = process_logits(raw, ids, params)
+        ours = process_logits(raw, ids, [], params)
         assert torch.equal(ours > NEG_INF, processed > NEG_INF)
         torch.testing.assert_close(ours.softmax(-1), processed.softmax(-1), rtol=1e-5, atol=1e-7)
 
@@ -365,6 +367,8 @@ BAD_ARGS = [
     # 合法范围的另一侧（极端但合法的取值在 test_prepare_and_errors 的 test_run_py_extreme_sampling_values）
     ["--temperature", "inf"], ["--repetition-penalty", "inf"], ["--repetition-penalty", "nan"],
     ["--repetition-penalty", "-1e-40"], ["--top-p", "nan"], ["--top-p", "-1e-30"], ["--min-p", "nan"],
+    ["--presence-penalty", "2.5"], ["--frequency-penalty", "nan"], ["--frequency-penalty", "-inf"], ["--min-tokens", "-1"],
+    ["--stop-token-id", "-3"], ["--min-tokens", "1.5"],
 ]
 
 
@@ -384,7 +388,7 @@ def test_draw_margin_is_distance_of_replayed_draw_to_interval_edge():
     params = SamplingParams(temperature=1.0, seed=7)
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     g = make_generator(params.seed, "cpu")
-    tokens = [sample(logits, [], params, g) for _ in range(5)]      # 同一分布连抽 5 次
+    tokens = [sample(logits, [], [], params, g) for _ in range(5)]      # 同一分布连抽 5 次
     assert draw_margin(SamplingParams()) is None                    # 贪心：用默认的 top-2 logit 差
     margin = draw_margin(params)
     cdf = logits.softmax(-1).cumsum(-1)
@@ -432,26 +436,27 @@ def extreme_logits(seed: int, scale: float, vocab: int) -> torch.Tensor:
        vocab=st.sampled_from([1, 2, 7, 300]))
 def test_any_accepted_params_give_a_valid_token(params, seed, scale, vocab):
     """validate 接受的任何参数：sample 不抛错、token 在 [0, V)；process_logits 的分布有限、和为 1、抽到的 token 概率 > 0；
-    温度低于 SAMPLING_EPS（或 top_k 1）就是贪心：等于重复惩罚后的 argmax，不消耗随机数，分布是 argmax 上的 one-hot。"""
+    温度低于 SAMPLING_EPS（或 top_k 1）就是贪心：等于偏置、惩罚、屏蔽之后的 argmax，不消耗随机数，分布是 argmax 上的 one-hot。"""
     params.validate()
     logits = extreme_logits(seed, scale, vocab)
     history = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt, output, eos = history[:3], history[3:], (vocab - 1,)   # 后 3 个算已生成的：惩罚与 min_tokens 都起作用
     g = make_generator(params.seed, "cpu")
     before = g.get_state()
-    tok = sample(logits, history, params, g)
+    tok = sample(logits, prompt, output, params, g, eos)
     assert 0 <= tok < vocab
-    probs = process_logits(logits, history, params).softmax(-1)   # (V,)
+    probs = process_logits(logits, prompt, output, params, eos).softmax(-1)   # (V,)
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
     assert probs[tok] > 0
     greedy = params.temperature < SAMPLING_EPS or params.top_k == 1
     assert params.greedy == greedy
     if greedy:
-        argmax = int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax())
+        argmax = int(adjust_logits(logits, prompt, output, params, eos).argmax())
         assert tok == argmax and torch.equal(g.get_state(), before)
         assert probs[argmax] == 1
         assert draw_margin(params) is None
     else:
-        margin = draw_margin(params)(logits, history, 0, tok)    # 重放第 0 次抽样：与 sample 用的是同一个 u
+        margin = draw_margin(params, eos)(logits, history, 3, tok)   # history 的后 3 个是已生成的；重放第 3 次抽样
         assert math.isfinite(margin) and margin >= 0
 
 
@@ -473,7 +478,7 @@ def test_temperature_below_eps_is_greedy(temperature):
     params = SamplingParams(temperature=temperature, top_p=0.9, seed=1)
     assert params.greedy and draw_margin(params) is None
     logits = random_logits(3)
-    assert sample(logits, [], params, make_generator(1, "cpu")) == int(logits.argmax())
+    assert sample(logits, [], [], params, make_generator(1, "cpu")) == int(logits.argmax())
     assert not SamplingParams(temperature=SAMPLING_EPS).greedy      # 正好等于 SAMPLING_EPS 仍然抽样
 
 
@@ -486,7 +491,7 @@ def test_top_p_tiny_keeps_the_top_token(p):
 
 def test_huge_temperature_is_nearly_uniform():
     logits = random_logits(5, vocab=50)
-    probs = process_logits(logits, [], SamplingParams(temperature=1e6)).softmax(-1)
+    probs = process_logits(logits, [], [], SamplingParams(temperature=1e6)).softmax(-1)
     torch.testing.assert_close(probs, torch.full_like(probs, 1 / 50), rtol=1e-3, atol=0)
 
 
@@ -512,6 +517,9 @@ def test_draw_u_at_the_total_picks_the_last_positive_token(monkeypatch):
 def test_any_accepted_params_generate_valid_tokens_tiny(tiny, params):
     """同样的性质走一遍真实的生成循环（随机小模型）：每个 token 都喂回下一次前向，越界的 id 会在 embedding 里出错。"""
     out = generate(tiny.model, [0, 17, 42, 17], 4, params, ignore_eos=True)
-    assert len(out) == 4 and all(0 <= t < tiny.cfg.vocab_size for t in out)
-    if params.greedy and params.repetition_penalty == 1:
+    assert all(0 <= t < tiny.cfg.vocab_size for t in out)
+    assert len(out) == 4 or (len(out) >= params.min_tokens and out[-1] in params.stop_token_ids)   # 停止 token 可以提前结束
+    plain = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                           seed=params.seed)
+    if params.greedy and params == plain:   # 没有偏置、惩罚、停止 token：就是 step01 的贪心
         assert out == generate_step01(tiny.model, [0, 17, 42, 17], 4, ignore_eos=True)

@@ -481,7 +481,7 @@ def theory_t2_t3(model) -> torch.Tensor:
     """直接抽样时第 2、3 个输出 token 的理论联合分布 (V·V,)：对第 1 个 token 求和，条件分布用 HF 的处理器算。"""
     def next_probs(ids):
         logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
-        return hf_filtered_probs(logits, ids, DIST_PARAMS).double()
+        return hf_filtered_probs(logits, ids, [], DIST_PARAMS).double()
     out = torch.zeros(V * V, dtype=torch.float64)
     with torch.inference_mode():
         p1 = next_probs(DIST_PROMPT)

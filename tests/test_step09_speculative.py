@@ -53,7 +53,7 @@ def plain_greedy(history: list[int], n: int, params: SamplingParams) -> list[int
     """step02 的逐个贪心 decode：参照物。"""
     out: list[int] = []
     for _ in range(n):
-        out.append(sample(TARGET[(history + out)[-1]], history + out, params, None))
+        out.append(sample(TARGET[(history + out)[-1]], history + out, [], params, None))
     return out
 
 
@@ -104,7 +104,7 @@ def test_greedy_verification_equals_plain_greedy(k, wrong_at, penalty):
     draft = truth[:k]
     if wrong_at is not None:
         draft[wrong_at] = (draft[wrong_at] + 1) % V
-    out = verify(chunk_logits(TARGET, PROMPT, draft), PROMPT, Proposal(draft), params, torch.Generator())
+    out = verify(chunk_logits(TARGET, PROMPT, draft), PROMPT, [], Proposal(draft), params, torch.Generator())
     n_out = k + 1 if wrong_at is None else wrong_at + 1  # 全对：k 个 + 奖励；否则接受到出错前，再加一个更正
     assert out == truth[:n_out]
 
@@ -112,9 +112,9 @@ def test_greedy_verification_equals_plain_greedy(k, wrong_at, penalty):
 def test_greedy_tie_takes_the_smallest_id_like_step02():
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0]])  # 1、2、4 并列最大
     params = SamplingParams()
-    assert verify(logits, [3], Proposal([]), params, torch.Generator()) == [1] == [sample(logits[0], [3], params, None)]
+    assert verify(logits, [3], [], Proposal([]), params, torch.Generator()) == [1] == [sample(logits[0], [3], [], params, None)]
     logits2 = torch.stack([logits[0], logits[0]])
-    assert verify(logits2, [3], Proposal([2]), params, torch.Generator()) == [1]   # 并列也不算猜对
+    assert verify(logits2, [3], [], Proposal([2]), params, torch.Generator()) == [1]   # 并列也不算猜对
 
 
 def test_greedy_penalty_sees_the_accepted_draft():
@@ -122,7 +122,7 @@ def test_greedy_penalty_sees_the_accepted_draft():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 3.0],
                            [2.0, 0.0, 0.0, 0.0, 3.0]])
     params = SamplingParams(repetition_penalty=2.0)
-    assert verify(logits, [1], Proposal([4]), params, torch.Generator()) == [4, 0]
+    assert verify(logits, [1], [], Proposal([4]), params, torch.Generator()) == [4, 0]
 
 
 # ---------------------------------------------------------------- 抽样：确定性的情形
@@ -133,7 +133,7 @@ def test_filtered_token_is_never_accepted():
     params = SamplingParams(temperature=1.0, top_k=2)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
-        out = verify(logits, [0], Proposal([3]), params, g)
+        out = verify(logits, [0], [], Proposal([3]), params, g)
         assert len(out) == 1 and out[0] in (0, 1)
 
 
@@ -143,17 +143,17 @@ def test_certain_target_accepts_right_and_corrects_wrong():
     params = SamplingParams(temperature=1.0, min_p=1.0)
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        assert verify(logits, [0], Proposal([2, 2]), params, g) == [2, 2, 2]   # 全接受 + 奖励
-        assert verify(logits, [0], Proposal([2, 1]), params, g) == [2, 2]      # 第二个被拒，更正为 2
+        assert verify(logits, [0], [], Proposal([2, 2]), params, g) == [2, 2, 2]   # 全接受 + 奖励
+        assert verify(logits, [0], [], Proposal([2, 1]), params, g) == [2, 2]      # 第二个被拒，更正为 2
 
 
 def test_draft_token_matches_step02_and_hf():
     logits, history = TARGET[2], [0, 2, 2]
     greedy = SamplingParams(repetition_penalty=1.3)
-    assert draft_token(logits, history, greedy, torch.Generator()) == (sample(logits, history, greedy, None), None)
+    assert draft_token(logits, history, [], greedy, torch.Generator()) == (sample(logits, history, [], greedy, None), None)
     params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3)
-    token, q = draft_token(logits, history, params, torch.Generator().manual_seed(3))
-    torch.testing.assert_close(q, hf_filtered_probs(logits, history, params))
+    token, q = draft_token(logits, history, [], params, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(q, hf_filtered_probs(logits, history, [], params))
     assert q[token] > 0
 
 
@@ -171,7 +171,7 @@ def draft_proposals(tokens, params, g, k=K):
     """草稿马尔可夫链连走 k 步，每步用 draft_token 抽（与目标同一个发生器），记下 q。"""
     ids, qs = [], []
     for _ in range(k):
-        token, q = draft_token(DRAFT[(tokens + ids)[-1]], tokens + ids, params, g)
+        token, q = draft_token(DRAFT[(tokens + ids)[-1]], tokens + ids, [], params, g)
         ids.append(token)
         qs.append(q)
     return Proposal(ids, torch.stack(qs))
@@ -183,7 +183,7 @@ def speculative_tokens(propose, params, g, m: int) -> tuple[int, ...]:
     while len(out) < m:
         ctx = PROMPT + out
         prop = propose(ctx, params, g)
-        out += verify(chunk_logits(TARGET, ctx, prop.token_ids), ctx, prop, params, g)
+        out += verify(chunk_logits(TARGET, ctx, prop.token_ids), ctx, [], prop, params, g)
     return tuple(out[:m])
 
 
@@ -196,7 +196,7 @@ def plain_joint(params: SamplingParams, m: int) -> torch.Tensor:
         for j in range(m):
             ctx = PROMPT + list(seq[:j])
             if tuple(ctx) not in cond:
-                cond[tuple(ctx)] = hf_filtered_probs(TARGET[ctx[-1]], ctx, params).double()
+                cond[tuple(ctx)] = hf_filtered_probs(TARGET[ctx[-1]], ctx, [], params).double()
             pr *= float(cond[tuple(ctx)][seq[j]])
         probs.append(pr)
     return torch.tensor(probs, dtype=torch.float64)
@@ -281,12 +281,13 @@ def test_verify_any_accepted_params_gives_valid_tokens(step, params, seed, k, vo
     gen = torch.Generator().manual_seed(seed)
     target = (torch.randn(k + 1, vocab, generator=gen) * scale).round()        # (k+1, V)
     history = torch.randint(0, vocab, (5,), generator=gen).tolist()
+    prompt, output = history[:3], history[3:]                                  # 惩罚只数已生成的
     g = torch.Generator().manual_seed(seed + 1)
     before = g.get_state()
     if use_draft:
         ids, qs = [], []
         for row in (torch.randn(k, vocab, generator=gen) * scale).round():
-            token, q = prop.draft_token(row, history + ids, params, g)
+            token, q = prop.draft_token(row, prompt, output + ids, params, g)
             assert 0 <= token < vocab and (q is None) == params.greedy
             if q is not None:
                 assert torch.isfinite(q).all() and abs(float(q.sum()) - 1) < 1e-5 and q[token] > 0
@@ -295,9 +296,9 @@ def test_verify_any_accepted_params_gives_valid_tokens(step, params, seed, k, vo
         proposal = rs.Proposal(ids, torch.stack(qs) if ids and qs[0] is not None else None)
     else:
         proposal = rs.Proposal(torch.randint(0, vocab, (k,), generator=gen).tolist())
-    out = rs.verify(target, history, proposal, params, g)
+    out = rs.verify(target, prompt, output, proposal, params, g)
     assert 1 <= len(out) <= k + 1 and all(0 <= t < vocab for t in out)
     assert out[:-1] == proposal.token_ids[:len(out) - 1]                        # 接受的是猜测的前缀
     if params.greedy:
         assert torch.equal(g.get_state(), before)
-        assert out == [sample(target[i], history + out[:i], params, None) for i in range(len(out))]
+        assert out == [sample(target[i], prompt, output + out[:i], params, None) for i in range(len(out))]

@@ -108,10 +108,10 @@ def test_real_engine_sampling_failure_ends_only_that_request(tiny_session, monke
     import step10_tensor_parallel.engine as E10
     real_verify = E10.verify
 
-    def verify(rows, history, proposal, params, generator):
+    def verify(rows, prompt, output, proposal, params, generator, eos_ids=()):
         if params.seed == 666:
             raise RuntimeError("injected sampling failure")
-        return real_verify(rows, history, proposal, params, generator)
+        return real_verify(rows, prompt, output, proposal, params, generator, eos_ids)
     s = tiny_session
     ids = chat_ids(s.tok, "讲个笑话")
     ref = real_engine("step10", s).generate([Request(ids, 12, SamplingParams(), ignore_eos=True)]).outputs[0]
@@ -147,12 +147,12 @@ def test_engine_finishes_only_the_request_whose_sampling_fails(name, tiny_sessio
     ref = real_engine(name, s).generate([Request(ids, 8, SamplingParams(), ignore_eos=True)]).outputs[0]
     real_verify = E.verify
 
-    def verify(rows, history, proposal, params, generator):
+    def verify(rows, prompt, output, proposal, params, generator, eos_ids=()):
         if params.seed == 666:
             return [rows.shape[-1]]                      # 词表外的 id：以前会在下一步的前向里让整批出错
         if params.seed == 777:
             raise RuntimeError("injected")
-        return real_verify(rows, history, proposal, params, generator)
+        return real_verify(rows, prompt, output, proposal, params, generator, eos_ids)
     monkeypatch.setattr(E, "verify", verify)
     for seed, why in ((666, "outside the vocabulary"), (777, "injected")):
         e = real_engine(name, s)
@@ -395,16 +395,21 @@ def test_tokenization_runs_off_the_event_loop(tok):
 # ---------------- 不悄悄忽略：没实现的字段拒绝、指名 ----------------
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 100}}, "logit_bias"),
+    # 实现了的字段：越界、类型不对的值 400 指名字段（取值检查是 step02 的 SamplingParams.validate）
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -2.01}, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/completions", {**COMP, "suffix": "end"}, "suffix"),
-    ("/v1/completions", {**COMP, "stop_token_ids": [5]}, "stop_token_ids"),
-    ("/v1/completions", {**COMP, "min_tokens": 3}, "min_tokens"),
-    ("/v1/completions", {**COMP, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {**COMP, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {**COMP, "stop_token_ids": 5}, "stop_token_ids"),
+    ("/v1/completions", {**COMP, "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {**COMP, "min_tokens": 1.5}, "min_tokens"),
+    ("/v1/completions", {**COMP, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ("/v1/completions", {**COMP, "best_of": 3}, "best_of"),
     ("/v1/completions", {**COMP, "echo": True, "max_tokens": 0}, "max_tokens"),   # 假引擎不算 prompt logprobs
     ("/v1/completions", {**COMP, "logprobs": 2}, "logprobs"),                      # 假引擎不算 logprobs
