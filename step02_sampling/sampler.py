@@ -206,8 +206,9 @@ def adjust_logits(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: S
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """softmax(z / T)：T < 1 拉大差距（更确定），T > 1 缩小差距（更随机）。T → 0 的极限是 argmax，
     T < SAMPLING_EPS 由 greedy 处理，所以这里 T >= 1e-5、|z| <= LOGIT_LIMIT，z / T 不会溢出。
-    T 很大（1e6，甚至超出 float32 的 inf）时 z / T 趋于 0：接近均匀分布，仍然有定义。"""
-    return logits / temperature
+    T 很大时 z / T 趋于 0：接近均匀分布，仍然有定义。T 超出 float32 的范围（1e300）会先变成 inf，而被屏蔽的
+    -inf / inf 是 NaN：所以 T 先截到这个 dtype 的最大有限值（-inf 除以它仍是 -inf）。"""
+    return logits / min(temperature, torch.finfo(logits.dtype).max)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -446,3 +446,11 @@ def test_openai_client_bad_values_are_400_naming_the_field(served):
             client.completions.create(**kw, **extra)
     server.wait_idle()
     assert server.pool_is_free()
+
+
+def test_a_huge_temperature_keeps_masked_tokens_masked():
+    """T = 1e300 在 float32 里是 inf，被 min_tokens 屏蔽的 -inf 除以它是 NaN（hypothesis 找到的）：
+    截到 float32 的最大有限值以后，屏蔽的仍是 -inf，其余趋于均匀。"""
+    p = SamplingParams(temperature=1e300, min_tokens=3, stop_token_ids=(0,))
+    out = process_logits(torch.tensor([0.0, 6.0, 1.0]), [1], [1, 1], p)
+    assert out[0] == -math.inf and torch.isfinite(out[1:]).all()
