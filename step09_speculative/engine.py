@@ -171,7 +171,7 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
         self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
         self.num_steps = 0                           # 一共走过几步（step_stats 留满以后也照数）
-        self._aborted: list[RequestOutput] = []      # abort 过、还没在 step() 里报告的
+        self._aborted: list[RequestOutput] = []      # step() 之外结束的（abort、猜测出错），还没在 step() 里报告
         self._next_id = 0
 
     def _make_proposer(self, draft_model) -> Optional[Proposer]:
@@ -205,13 +205,9 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: int) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return           # 不认识或已经结束：什么也不做
-        self.scheduler.finish(seq, "abort")
-        if self.proposer is not None:
-            self.proposer.free(seq)
-        self._aborted.append(RequestOutput(request_id, [], True, "abort", seq.num_cached_tokens or 0))
+        seq = self.seqs.get(request_id)
+        if seq is not None:  # 不认识或已经结束：什么也不做
+            self._end_early(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         """还有没结束的请求，或者还有 abort 的结果没交出去（下一次 step() 交）。"""
@@ -267,7 +263,7 @@ class LLMEngine:
             proposals = [self._propose_one(seq, n) for seq, n in zip(seqs, caps)]
         for seq, n, proposal in zip(seqs, caps, proposals):
             if isinstance(proposal, Exception):
-                self._fail_request(seq, proposal)
+                self._end_early(seq, "error", proposal)
                 continue
             seq.spec_token_ids, seq.spec_probs = list(proposal.token_ids), proposal.draft_probs
             seq.trim_spec(n)                             # 提议者多给了（FakeProposer）也只留 n 个
@@ -278,12 +274,13 @@ class LLMEngine:
         except Exception as e:
             return e
 
-    def _fail_request(self, seq: Sequence, e: Exception) -> None:
-        """只属于这个请求的失败（它的猜测）：立刻还块，下一次 step() 报告 finish_reason="error"（RequestOutput.error）。"""
+    def _end_early(self, seq: Sequence, reason: str, error: Optional[Exception] = None) -> None:
+        """step() 之外结束一个请求（abort，或它自己的猜测出错："error"）：立刻还块，下一次 step() 报告它。"""
         del self.seqs[seq.request_id]
-        self.scheduler.finish(seq, "error")
-        self.proposer.free(seq)
-        self._aborted.append(RequestOutput(seq.request_id, [], True, "error", seq.num_cached_tokens or 0, e))
+        self.scheduler.finish(seq, reason)
+        if self.proposer is not None:
+            self.proposer.free(seq)
+        self._aborted.append(RequestOutput(seq.request_id, [], True, reason, seq.num_cached_tokens or 0, error))
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range],
                      prompt_rows: list[range]) -> list[RequestOutput]:

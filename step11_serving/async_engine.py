@@ -315,20 +315,21 @@ class AsyncLLMEngine:
             if self._live.pop(rid, None) is not None:
                 self.engine.abort(rid)
             if h.finish_reasons[i] is None:
-                h.finish_reasons[i] = "error"
-                self.metrics.request_finished("error", len(h.requests[i].prompt_ids), h.cached_tokens[i],
-                                              len(h.token_ids[i]), h.arrival, h.first_token[i], now)
-                self.metrics.vllm_finished("error", h.times[i], now)
+                self._record_finish(h, i, "error", now)
         h.queue.put_nowait(e if isinstance(e, RequestFailed) else RequestFailed(f"{type(e).__name__}: {e}"))
 
     def _finish(self, h: RequestHandle, i: int, reason: str, now: float, text: str = "", token_ids=(), **extra) -> None:
-        h.finish_reasons[i] = reason
+        self._record_finish(h, i, reason, now)
         h.queue.put_nowait(Delta(i, text, list(token_ids), reason, **extra))
+        log.debug("request %s: engine request %d finished (%s, %d tokens)", h.x_request_id, h.request_ids[i],
+                  reason, len(h.token_ids[i]))
+
+    def _record_finish(self, h: RequestHandle, i: int, reason: str, now: float) -> None:
+        """样本 i 结束了：记下原因，两套指标（llm_* 与 vllm:*）各记一次。"""
+        h.finish_reasons[i] = reason
         self.metrics.request_finished(reason, len(h.requests[i].prompt_ids), h.cached_tokens[i],
                                       len(h.token_ids[i]), h.arrival, h.first_token[i], now)
         self.metrics.vllm_finished(reason, h.times[i], now)
-        log.debug("request %s: engine request %d finished (%s, %d tokens)", h.x_request_id, h.request_ids[i],
-                  reason, len(h.token_ids[i]))
 
     def _on_tokens(self, h: RequestHandle, i: int, num_tokens: int, now: float, cached: int) -> None:
         """vllm:* 的逐步指标：这一步发给客户端的 token 数；第一次时的首 token 延迟，之后的 token 间隔。"""
