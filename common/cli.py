@@ -38,7 +38,7 @@ def positive_int(s):
 def make_parser(description: str) -> Parser:
     p = Parser(description=description)
     p.add_argument("--quick", action="store_true", help="同样的检查，更小的基准（CI 用）")
-    p.add_argument("--model", default=None, help="本地 HF 目录（llama / qwen2 / qwen3）；默认 SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help="本地 HF 目录（llama / qwen2 / qwen3 / mistral / ministral）；默认 SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_linear_arg(p)
@@ -152,20 +152,36 @@ def check_compile_args(args) -> None:
                         "(compiled numbers: python bench/decode_speed.py)")
 
 
-def load_session(args) -> Session:
+def load_session(args, sliding_window: bool = False) -> Session:
     check_compile_args(args)
-    return open_session(args.model, args.device, args.dtype, getattr(args, "linear", "auto"))
+    return open_session(args.model, args.device, args.dtype, getattr(args, "linear", "auto"), sliding_window)
 
 
 def open_session(model_dir: str | None = None, device: str = "auto", dtype: str = "auto",
-                 linear: str = "auto") -> Session:
+                 linear: str = "auto", sliding_window: bool = False) -> Session:
+    """sliding_window：调用者的 KV cache 认识滑动窗口层吗（见 check_sliding_window）。"""
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)
     path = resolve_model(model_dir)
     cfg = ModelConfig.from_dir(path)
+    if not sliding_window:
+        check_sliding_window(cfg, path)
     model = load_model(path, device, dtype, linear)
     tok = Tokenizer(path)
     return Session(model, tok, cfg, path, device, dtype)
+
+
+def check_sliding_window(cfg: ModelConfig, path) -> None:
+    """有滑动窗口层的模型（mistral、开了 use_sliding_window 的 qwen2……）只有两种引擎算得对：不用缓存、每步整段重算的
+    step01/02（common/model.py 的掩码带窗口），和 KV cache 认识窗口的 step12。step03–11 的缓存保存并注意每一个
+    key——窗口外的 key 也会被看到，结果悄悄地错。所以默认在加载时拒绝，那几步的 run.py 显式说自己可以
+    （load_session(args, sliding_window=True)）。"""
+    if cfg.sliding:
+        windows = sorted({w for w in cfg.layer_windows if w is not None})
+        n = sum(w is not None for w in cfg.layer_windows)
+        raise UserError(f"model {path} uses sliding-window attention ({n} of {cfg.num_layers} layers, window "
+                        f"{', '.join(map(str, windows))}); this engine's KV cache keeps every key and has no window: "
+                        "use step12_kv_eviction (server: --engine step12)")
 
 
 def emit_json(obj: dict) -> None:

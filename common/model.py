@@ -1,4 +1,4 @@
-"""Llama 系列解码器（llama / qwen2 / qwen3），从零实现，可以从上读到下。
+"""Llama 系列解码器（llama / qwen2 / qwen3 / mistral / ministral），从零实现，可以从上读到下。
 
 形状记号见 common/shapes.py：B, L, S, E, F, V, H, H_kv, D。
 
@@ -8,6 +8,8 @@ forward(input_ids, positions, cache=None, last_only=False, logits_index=None)：
     它把新 K/V 存进去、取回要看的全部 K/V 和掩码，再调用下面的 attention()。
     step01/02 不传（每步重算整段序列，用因果掩码），step03 传入连续缓存，step04 传入带左填充掩码的批缓存，
     step05 传入分页缓存这次前向的视图——模型代码一行不改。
+  - 滑动窗口层（cfg.layer_windows，mistral / 开了 use_sliding_window 的 qwen2）：不传 cache 时这里的掩码带窗口；
+    传了 cache 时窗口归缓存管（只有 step12 的缓存认识窗口，更早的步骤在加载时就拒绝这种模型，见 common/cli.py）。
 """
 import math
 
@@ -101,10 +103,12 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def causal_mask(L: int, S: int, device) -> torch.Tensor:
+def causal_mask(L: int, S: int, device, window=None) -> torch.Tensor:
     """(L, S) 布尔矩阵，True = 可以看。右下对齐：第 i 个 query 位于绝对位置 S-L+i，看得到 key 0..S-L+i。
-    没有缓存时 L == S，就是普通的下三角；decode 时 L == 1，唯一的 query 看得到全部 S 个 key。"""
-    return torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
+    没有缓存时 L == S，就是普通的下三角；decode 时 L == 1，唯一的 query 看得到全部 S 个 key。
+    window = W（滑动窗口层）：再去掉太老的 key，只留 S-L+i-W < j，即连自己在内最近的 W 个（带状矩阵）。"""
+    mask = torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
+    return mask if window is None else mask.triu(diagonal=S - L - window + 1)
 
 
 def attention(q, k, v, mask=None):
@@ -141,6 +145,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.window = cfg.layer_windows[layer_idx]   # 滑动窗口 W，None = 全注意力
 
     def forward(self, x, cos, sin, cache=None):
         B, L, _ = x.shape
@@ -153,8 +158,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, L, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cache is None:   # 没有缓存：本次前向的 K/V 就是全部，因果掩码
-            out = attention(q, k, v)                              # (B, H, L, D)
+        if cache is None:   # 没有缓存：本次前向的 K/V 就是全部，因果掩码（滑动窗口层再去掉窗口外的 key）
+            mask = None if self.window is None else causal_mask(L, L, x.device, self.window)
+            out = attention(q, k, v, mask)                        # (B, H, L, D)
         else:               # 缓存只存 H_kv 个头（不存重复后的 H 个头），决定新 K/V 存哪、这次看哪些 K/V
             out = cache.attend(self.layer_idx, q, k, v)           # (B, H, L, D)
         out = out.transpose(1, 2).reshape(B, L, H * D)            # (B, H, L, D) -> (B, L, H·D)

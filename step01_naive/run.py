@@ -59,7 +59,7 @@ def chapter(args, s: cli.Session) -> bool:
 
 
 def main(args) -> bool:
-    s = cli.load_session(args)
+    s = cli.load_session(args, sliding_window=True)   # 每步整段重算、不用缓存：滑动窗口在模型的掩码里，算得对
     if args.prompt is None:
         return chapter(args, s)
     # 先编码、检查全部提示词，任何一个有错都在开始生成前报告（不丢掉进行中的工作）

@@ -186,7 +186,7 @@ def main(args) -> bool:
     stop_strings = args.stop or []
     if any(not t for t in stop_strings):
         raise UserError("--stop must not be empty")
-    s = cli.load_session(args)
+    s = cli.load_session(args, sliding_window=True)   # 每步整段重算、不用缓存：滑动窗口在模型的掩码里，算得对
     if args.prompt is None:
         return chapter(args, s)
     # 先编码、检查全部提示词，任何一个有错都在开始生成前报告（不丢掉进行中的工作）

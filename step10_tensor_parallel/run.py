@@ -132,6 +132,7 @@ def main(args) -> bool:
     device = "cpu" if args.tp * args.pp > 1 else pick_device(args.device)
     path, dtype = resolve_model(args.model), pick_dtype(args.dtype, device)
     cfg = ModelConfig.from_dir(path)
+    cli.check_sliding_window(cfg, path)          # 这里不经过 cli.open_session（它在那里检查），所以自己查一次
     check_parallel(cfg, args.tp, args.pp)
     s = cli.Session(None, Tokenizer(path), cfg, path, device, dtype)
     if args.prompt is None:

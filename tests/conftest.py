@@ -27,8 +27,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """用 transformers 的配置类离线造一个随机小模型（hidden 64，4 个 query 头 / 2 个 KV 头），存成 HF 目录。
     只供单元测试：结构与真实模型相同，数值没有意义。"""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MinistralConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+           "ministral": MinistralConfig}[arch]
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
               tie_word_embeddings=False, eos_token_id=1, bos_token_id=0)
