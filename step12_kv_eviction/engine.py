@@ -30,6 +30,13 @@ snapkv 只在算了提示词 token 的前向之后压缩（prefill 末尾的观�
 h2o 每次前向给它的全部 query 打分、snapkv 在要压缩的那一块给观察窗口打分（plan 的 score_queries，kv_cache.py）。
 新块分不到（块被别人共享、池子满）时这一次不压缩，下一次前向之后再试（num_compactions_skipped）。
 投机解码与量化的池子和驱逐不能同时开（EngineConfig.validate 说为什么）。
+
+滑动窗口模型（mistral、开了 use_sliding_window 的 qwen2：cfg.layer_windows）是模型自己的注意力规则，不是驱逐策略：
+窗口为 W 的层，位置 i 的 query 只看位置 (i − W, i] 的 key（与 HF 相同，结果精确）。内核没有窗口，这种模型走 gather
+（掩码在 gather.py）。每一层都滑动时，整块落在每一层窗口之外的 K/V 再也没人看：每次前向之后把它们从块表开头还回池子
+（_drop_out_of_window，vLLM 的 SlidingWindowManager.remove_skipped_blocks 的做法；不拷贝，只是块表去掉开头几块、
+num_evicted 加上那么多槽——留下的槽仍是原文里连续的一段），一个请求的块数不随长度增长。有一层是全注意力时什么也不还：
+那一层的 query 要看全部 key，而池子里一个槽存的是全部层的 K/V。这种模型只能用 kv_policy full（它本来就有窗口）。
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -261,6 +268,12 @@ class LLMEngine:
         """draft_model：spec_method="draft" 的草稿模型（词表与 model 相同）；proposer：直接给一个提议者
         （测试用脚本化的 FakeProposer），给了就不看 spec_method。"""
         config.validate()
+        windows = model.cfg.layer_windows
+        if model.cfg.sliding and config.kv_policy != "full":   # 窗口本身就限定了要看的 key；槽号也只能是原文连续的
+            raise UserError(f"--kv-policy {config.kv_policy} cannot be used with a sliding-window model (its layers "
+                            "already attend to a fixed window; blocks that leave it are freed): use --kv-policy full")
+        # 每一层都滑动时，槽数最多留 最大窗口 − 1 个再加不满一块（_drop_out_of_window）；否则 None
+        self.window_keep = (max(windows) - 1 if model.cfg.sliding and all(w is not None for w in windows) else None)
         self.model, self.config = model, config
         self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
         self.clock = clock or WallClock()
@@ -277,7 +290,7 @@ class LLMEngine:
         self.kv_cache.cache_positions = config.kv_policy != "full" and config.positions == "cache"
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
                                    on_preempt=self.proposer.free if self.proposer is not None else None,
-                                   evicting=config.kv_policy != "full")
+                                   evicting=config.kv_policy != "full" or self.window_keep is not None)
         self.num_compactions = 0                     # step12：压缩过几次
         self.num_compactions_skipped = 0             # 到了该压缩的时候却分不到新块、推到下一次的次数
         self.spec_stats = SpecStats()
@@ -306,8 +319,9 @@ class LLMEngine:
         c = self.config
         request.validate(c.max_model_len or self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
         need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
-        if c.kv_policy != "full":   # 驱逐时最多 预算 + 一块 − 1 个槽，加上一次前向写的；snapkv 的 decode 不驱逐
-            cap = c.kv_budget + c.block_size - 1 + c.max_num_batched_tokens
+        if c.kv_policy != "full" or self.window_keep is not None:   # 驱逐时最多 预算 + 一块 − 1 个槽，加上一次前向写的；
+            # snapkv 的 decode 不驱逐；滑动窗口模型的"预算"是 最大窗口 − 1
+            cap = (c.kv_budget or self.window_keep) + c.block_size - 1 + c.max_num_batched_tokens
             need = min(need, -(-(cap + (request.max_new_tokens if c.kv_policy == "snapkv" else 0)) // c.block_size))
         if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
             raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
@@ -384,6 +398,8 @@ class LLMEngine:
         先还掉整张旧块表、再分新块：旧块里登记过的前缀块进 evictable、内容不动，与别人共享的块还在别人手里，
         新块引用计数都是 0——从不写别人的块。分不到就这次不压缩，下一次前向之后再试。"""
         c, bm = self.config, self.block_manager
+        if self.window_keep is not None:
+            self._drop_out_of_window()
         if c.kv_policy == "full":
             return
         candidates = prefilled if c.kv_policy == "snapkv" else self.scheduler.running
@@ -411,6 +427,20 @@ class LLMEngine:
             seq.num_evicted += kv_len - B
             seq.num_registered_blocks = 0
             self.num_compactions += 1
+
+    def _drop_out_of_window(self) -> None:
+        """每一层都滑动的模型：下一个 query 在槽 kv_len（原文位置 num_computed_tokens），最大的窗口也只看槽号
+        > kv_len − W 的 key，前 kv_len − (W − 1) 个槽再也没人看。其中整块的部分从块表开头还回池子（引用计数：共享的
+        前缀块还在别人手里，登记过的进 evictable），num_evicted 加上这么多槽：留下的槽号整体前移整块，原文位置 = 槽 +
+        num_evicted 仍然成立，什么也不用拷。之后的块不再是 token 前缀，不登记进前缀缓存（block_manager.cache_full_blocks）。"""
+        bs = self.config.block_size
+        for seq in self.scheduler.running:
+            n = (seq.kv_len - self.window_keep) // bs         # 整块都在窗口外的块数
+            if n > 0:
+                self.block_manager.free(seq.block_table[:n])
+                seq.block_table = seq.block_table[n:]
+                seq.num_evicted += n * bs
+                seq.num_registered_blocks = 0
 
     def _propose(self) -> None:
         """给每个在 decode 的请求要这一步的猜测，只要留得下的：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的

@@ -20,6 +20,11 @@ step08：量化的池子（kv_cache.py 的说明）只能走这条路（C++ 内�
 
 step12：KV 驱逐之后，token t 在槽 t − num_evicted（sequence.py）。写哪个槽、读哪几块、掩码都按槽号：槽 s 的 query
 只看槽号 ≤ s 的 key；RoPE 的位置（positions）另给——text 是原文位置，cache 是槽号（kv_cache.py）。
+
+step12 的滑动窗口层（mistral 之类，cfg.layer_windows）：窗口为 W 的层，query 只看原文位置在 (q − W, q] 里的 key（HF 的规则）。
+这种模型不驱逐之外的任何东西：槽里是原文里连续的一段（槽 s = token s + num_evicted，滑出窗口的整块从开头还掉，
+engine.py 的 _drop_out_of_window），原文位置之差就是槽号之差，所以窗口也按槽号算：每种窗口一个带状掩码（window_masks），
+attend 按层挑。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +32,7 @@ from typing import Optional
 import torch
 
 from common.kv_cache import KVCache
+from common.model import attention
 from step04_static_batching.batch import PAD_ID, attention_mask
 
 from .quant import SCALE_DTYPE, KVFormat
@@ -53,6 +59,9 @@ class AttentionMetadata(KVCache):
     scales: Optional[torch.Tensor] = None      # (layers, 2, num_blocks + 1, H_kv, block_size, 1)；不量化时 None
     dtype: Optional[torch.dtype] = None        # 模型的 dtype：读回来的 K/V 是这个 dtype
     scale_buf: Optional[torch.Tensor] = None   # (2·B·H_kv·max_blocks, block_size)：读 scale 用，每层复用
+    # step12：滑动窗口层。windows[layer] = W 或 None（全注意力）；window_masks[W] = mask 再去掉槽号 ≤ query 槽号 − W 的 key
+    windows: tuple = ()
+    window_masks: Optional[dict] = None
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 按 slot_mapping 写进池子（只写真实 token，填充不写）。"""
@@ -95,6 +104,12 @@ class AttentionMetadata(KVCache):
         v_all.view(-1, D).index_fill_(0, self.v_tail_rows, 0)
         return k_all, v_all
 
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """同 common/kv_cache.py 的默认 attend（写入、取回、注意力），只是滑动窗口层用它那个窗口的掩码。"""
+        k, v = self.update(layer_idx, k, v)
+        w = self.windows[layer_idx] if self.windows else None
+        return attention(q, k, v, self.mask if w is None else self.window_masks[w])
+
 
 def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
     """一段：seqs[i] 这一步算位置 num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 的 token，
@@ -127,9 +142,11 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
     if not any(seq.kv_len for seq in seqs):
         # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
         mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
+        # 滑动窗口：同一行里第 c 列的 key 与第 i 列的 query 槽号差 c − i（左填充对两者一样）
+        windows = window_masks(cache.windows, mask, col[None, :], col[:, None], dev)
         return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                                  token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
-                                 **quant)
+                                 **quant, **windows)
     S = max_blocks * bs
     # 按槽号的因果掩码：槽 s 的 query 只看槽号 ≤ s 的 key。块表里还没写（或补齐出来）的槽，
     # 槽号都 > 该行任何真实 query 的槽号，自然被遮住；填充的 query 槽号为 0，只看 key 0，不会整行全遮。
@@ -150,10 +167,22 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
     read_buf = torch.empty(2 * B * H_kv * max_blocks, bs * cache.D, device=dev, dtype=cache.pool.dtype)
     scale_buf = (torch.empty(len(read_rows), bs, device=dev, dtype=SCALE_DTYPE)
                  if cache.scales is not None else None)
-    return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask[:, None, None].to(dev),  # (B, 1, 1, L, S)
+    mask = mask[:, None, None]                                                 # (B, 1, 1, L, S)
+    windows = window_masks(cache.windows, mask, key_pos, slot_idx[:, None, None, :, None], dev)
+    return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                              token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
                              read_rows=read_rows.to(dev), read_buf=read_buf,
-                             v_tail_rows=tail.flatten().nonzero().squeeze(1).to(dev), scale_buf=scale_buf, **quant)
+                             v_tail_rows=tail.flatten().nonzero().squeeze(1).to(dev), scale_buf=scale_buf, **quant,
+                             **windows)
+
+
+def window_masks(windows: tuple, mask: torch.Tensor, key_slot: torch.Tensor, query_slot: torch.Tensor, dev) -> dict:
+    """step12：滑动窗口层的掩码（没有窗口层时什么也不给）。mask 是按槽号的因果掩码，key_slot / query_slot 能与它广播；
+    窗口 W 的层只看 key_slot > query_slot − W 的（连自己共 W 个，与 HF 的 sliding_window_overlay 相同）。"""
+    if not any(w is not None for w in windows):
+        return {}
+    return {"windows": windows,
+            "window_masks": {w: (mask & (key_slot > query_slot - w)).to(dev) for w in set(windows) if w is not None}}
 
 
 def plan_segments(cache, seqs, num_new_tokens: list[int]) -> list[AttentionMetadata]:

@@ -61,6 +61,7 @@ step12：KV 驱逐。一个请求在池子里占的是槽 0..kv_len−1（sequen
   加进 seq.kv_scores——代价是每层多读一遍这个请求的 K、多算一遍分数（章节量了）。
   压缩（compact）：把每层、每个头要留的槽（eviction.kept_slots）拷进新分到的块的槽 0..B−1；cache 位置时 key 顺便
   转到新槽号（eviction.rerotate）。先拷出、再写入：新块可能正是刚还掉的旧块。
+滑动窗口模型（cfg.layer_windows）：窗口层的掩码在 gather.py，内核没有窗口，所以这种模型总走 gather。
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -85,6 +86,9 @@ class PagedKVCache:
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
         attention = "gather" if fmt is not None else attention   # 内核只读模型 dtype 的池子：量化的池子走 gather
+        # step12：滑动窗口层（cfg.layer_windows）的掩码在 gather.py 里；内核没有窗口，所以这种模型也走 gather
+        self.windows = cfg.layer_windows if cfg.sliding else ()
+        attention = "gather" if self.windows else attention
         self.num_blocks, self.block_size, self.attention = num_blocks, block_size, attention
         self.fmt, self.dtype = fmt, dtype
         self.H_kv, self.D = cfg.num_kv_heads, cfg.head_dim

@@ -151,3 +151,120 @@ def test_models_without_a_window_still_load(tiny):
     from common.cli import check_sliding_window
     assert not tiny.cfg.sliding
     check_sliding_window(tiny.cfg, tiny.path)
+
+
+# ---- step12：引擎里的滑动窗口层（gather 的带状掩码；每层都滑动时还掉窗口外的整块）----
+
+from step04_static_batching.request import Request  # noqa: E402
+from step12_kv_eviction import engine as step12  # noqa: E402
+
+PROMPTS = [[7, 3], [11, 5, 9, 2, 200, 31, 8, 8, 40], [(13 * i) % 250 + 2 for i in range(23)]]   # 短于、越过、几倍于窗口
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def hf_out(sw):
+    """HF 的贪心生成（每个提示词单独一次）：要对照的参照。"""
+    path, _, _ = sw
+    hf = load_hf_model(path, "cpu", torch.float32)
+    return [hf_greedy(hf, p, MAX_NEW, [1], ignore_eos=True) for p in PROMPTS]
+
+
+def step12_engine(model, **cfg):
+    return step12.LLMEngine(model, step12.EngineConfig(**{**dict(num_blocks=64, block_size=4), **cfg}))
+
+
+def assert_all_free(engine):
+    bm = engine.block_manager
+    assert bm.num_free_blocks == engine.config.num_blocks and all(c == 0 for c in bm.ref_counts)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),                                                      # 整段 prefill（窗口在提示词里就被越过）
+    dict(max_num_batched_tokens=4, max_batch_size=2),            # 分块 prefill：一块 4 个，每块都跨着窗口
+    dict(max_num_batched_tokens=7, max_batch_size=3, enable_prefix_caching=False),
+], ids=["whole", "chunk4", "chunk7"])
+def test_step12_equals_hf_generate(sw, hf_out, cfg):
+    path, model, _ = sw
+    engine = step12_engine(model, **cfg)
+    assert engine.kv_cache.attention == "gather"                 # 内核没有窗口：滑动窗口模型走 gather
+    out = engine.generate([Request(p, MAX_NEW, ignore_eos=True) for p in PROMPTS]).outputs
+    assert out == hf_out
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_step12_preemption_keeps_hf_tokens(sw, hf_out, preempt):
+    """池子小到三个请求挤不下（每层都滑动时一个请求最多 4 块，池子 5 块；否则池子 12 块），被抢占的请求重算
+    （窗口外的块从头再还一遍）或换出再换回。"""
+    path, model, windows = sw
+    engine = step12_engine(model, num_blocks=5 if None not in windows else 12, preempt=preempt,
+                           max_num_batched_tokens=8)
+    out, stats = engine.generate([Request(p, MAX_NEW, ignore_eos=True) for p in PROMPTS])
+    assert out == hf_out and stats.preemptions > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("sw", ["qwen2_all", "mistral"], indirect=True)
+def test_step12_prefix_cache_hit_then_window(sw, hf_out):
+    """第二个请求命中第一个登记的前缀块（窗口之前，块还是 token 前缀），之后照样滑走、还块，输出仍与 HF 相同。"""
+    path, model, _ = sw
+    hf = load_hf_model(path, "cpu", torch.float32)
+    shared = PROMPTS[2][:12]
+    ps = [shared + [3, 4], shared + [9]]
+    engine = step12_engine(model, max_batch_size=1, max_num_batched_tokens=16)
+    seqs = [engine.seqs[engine.add_request(Request(p, MAX_NEW, ignore_eos=True))] for p in ps]
+    evicted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        evicted = max(evicted, seqs[1].num_evicted)      # 结束时清零：在途中看
+    assert [s.output_ids for s in seqs] == [hf_greedy(hf, p, MAX_NEW, [1], ignore_eos=True) for p in ps]
+    assert seqs[1].num_cached_tokens == 12 and evicted > 0
+    assert_all_free(engine)
+
+
+def test_step12_blocks_stay_bounded_when_every_layer_slides(sw):
+    """一个 60 + 80 个 token 的请求（输出与 HF 相同）：每层都滑动时，块数不超过 (最大窗口 − 1 + 一块 − 1 + 一次前向的 token) 的块数，
+    与长度无关；有一层全注意力时一块也不还（那一层要看全部 key）。"""
+    path, model, windows = sw
+    bs, M = 4, 8
+    engine = step12_engine(model, block_size=bs, max_num_batched_tokens=M)
+    prompt = [(7 * i) % 250 + 2 for i in range(60)]
+    rid = engine.add_request(Request(prompt, 80, ignore_eos=True))
+    peak, last, engine_out = 0, None, []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            engine_out += o.new_token_ids
+            if o.finished:
+                last = o
+        if rid in engine.seqs:
+            peak = max(peak, len(engine.seqs[rid].block_table))
+    hf = load_hf_model(path, "cpu", torch.float32)
+    assert engine_out == hf_greedy(hf, prompt, 80, [1], ignore_eos=True)
+    total_blocks = -(-(60 + 80 - 1) // bs)
+    if None in windows:
+        assert last.kv_blocks_peak == total_blocks
+    else:
+        bound = -(-(max(windows) - 1 + bs - 1 + M) // bs)
+        assert peak <= bound and last.kv_blocks_peak <= bound < total_blocks
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("sw", ["mistral"], indirect=True)
+def test_step12_speculative_decoding_with_a_window(sw):
+    """prompt lookup 的猜测在窗口模型上照样验证：贪心输出与 HF 相同，确实接受过猜测，还块后块数仍有界。"""
+    path, model, _ = sw
+    hf = load_hf_model(path, "cpu", torch.float32)
+    prompt = [5, 6, 7, 8] * 6
+    engine = step12_engine(model, spec_method="ngram")
+    out = engine.generate([Request(prompt, 30, ignore_eos=True)]).outputs
+    assert out == [hf_greedy(hf, prompt, 30, [1], ignore_eos=True)]
+    assert engine.spec_stats.accepted > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("sw", ["mistral"], indirect=True)
+def test_step12_refuses_an_eviction_policy_on_a_window_model(sw):
+    path, model, _ = sw
+    with pytest.raises(UserError, match="kv-policy full"):
+        step12_engine(model, kv_policy="window", kv_budget=8)
