@@ -471,7 +471,7 @@ def refuse_compile_with_parallel(args) -> None:
 def main(argv=None) -> None:
     from common.cli import open_session
     from perf.compiled_decode import compile_if_asked
-    from .engines import DEFAULT_ENGINE, add_engine_args, serving_engine
+    from .engines import DEFAULT_ENGINE, SLIDING_WINDOW_ENGINES, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--engine", default=DEFAULT_ENGINE)
@@ -481,7 +481,8 @@ def main(argv=None) -> None:
             add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
             args = parser.parse_args(argv)
             refuse_compile_with_parallel(args)
-            session = open_session(args.model, args.device, args.dtype, args.linear)
+            session = open_session(args.model, args.device, args.dtype, args.linear,
+                                   sliding_window=args.engine in SLIDING_WINDOW_ENGINES)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
             compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
             sock = bind(args.host, args.port)

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import cli  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step11_serving.server_thread import serve_in_thread  # noqa: E402
-from step11_serving.engines import DEFAULT_ENGINE, ENGINES, add_engine_args, serving_engine  # noqa: E402
+from step11_serving.engines import (DEFAULT_ENGINE, ENGINES, SLIDING_WINDOW_ENGINES, add_engine_args,  # noqa: E402
+                                    serving_engine)
 
 STEP = "step11_serving"
 
@@ -37,7 +38,8 @@ def make_parser(argv=None):
 
 def main(args) -> bool:
     params, stop = params_from_args(args), list(cli.stop_from_args(args))
-    s = cli.load_session(args)
+    # 滑动窗口模型只在生成模式、挂认识窗口的引擎时可以（章节模式还要拿别的引擎对照）
+    s = cli.load_session(args, sliding_window=args.prompt is not None and args.engine in SLIDING_WINDOW_ENGINES)
     if args.prompt is None:
         from step11_serving.chapter import chapter
         return chapter(args, s)

@@ -101,12 +101,15 @@ def encode(args, s: cli.Session, text: str) -> list[int]:
 def main(args) -> bool:
     params, stop = params_from_args(args), cli.stop_from_args(args)
     check_args(args)
-    s = cli.load_session(args)
+    s = cli.load_session(args, sliding_window=True)   # 这一步的引擎认识滑动窗口层（gather.py 的掩码）
+    if s.cfg.sliding and args.no_chunked_prefill:
+        raise UserError("--no-chunked-prefill runs step05/06's engine, whose cache has no sliding window: "
+                        f"drop it for this sliding-window model ({s.path})")
     if args.prompt is None:
         from step12_kv_eviction.chapter import Chapter
         return Chapter(args, s).run()
     num_blocks = args.num_blocks or step12.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
-    draft = (cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model
+    draft = (cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear, sliding_window=True).model
              if spec_method(args) == "draft" else None)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens, draft_model=draft)
     compiled_decode.compile_if_asked(args, engine)

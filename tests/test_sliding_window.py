@@ -268,3 +268,44 @@ def test_step12_refuses_an_eviction_policy_on_a_window_model(sw):
     path, model, _ = sw
     with pytest.raises(UserError, match="kv-policy full"):
         step12_engine(model, kv_policy="window", kv_budget=8)
+
+
+@pytest.fixture(scope="module")
+def sw_tok_dir(tmp_path_factory):
+    """mistral 的随机小模型（窗口 6），词表、分词器与默认模型相同：给 run.py 用。"""
+    import shutil
+
+    from common.config import eos_token_ids
+    from common.prepare import prepare_default_model
+    real_dir = prepare_default_model()
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("sw_tok"), "mistral", sliding_window=6,
+                               vocab_size=ModelConfig.from_dir(real_dir).vocab_size, max_position_embeddings=2048,
+                               eos_token_id=sorted(eos_token_ids(real_dir))[0])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_dir / name).exists():
+            shutil.copy(real_dir / name, path / name)
+    return path
+
+
+def test_step12_run_py_generates_hf_tokens_with_bounded_blocks(sw_tok_dir):
+    import json
+
+    from conftest import run_py
+    r = run_py("step12_kv_eviction", "--model", str(sw_tok_dir), "--prompt", "Once upon a time, in a land far away",
+               "--max-new-tokens", "30", "--ignore-eos", "--block-size", "4", "--max-num-batched-tokens", "8",
+               "--device", "cpu", "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])["results"][0]
+    hf = load_hf_model(sw_tok_dir, "cpu", torch.float32)
+    assert res["output_ids"] == hf_greedy(hf, res["prompt_ids"], 30, [], ignore_eos=True)
+    assert res["kv_blocks_peak"] <= -(-(6 - 1 + 4 - 1 + 8) // 4) < -(-(len(res["prompt_ids"]) + 29) // 4)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--no-chunked-prefill"], "--no-chunked-prefill"),
+    (["--kv-policy", "window", "--kv-budget", "16"], "--kv-policy full"),
+])
+def test_step12_run_py_refuses_what_cannot_keep_the_window(sw_tok_dir, argv, msg, capsys):
+    line = cli_error(importlib.import_module("step12_kv_eviction.run"),
+                     ["--model", str(sw_tok_dir), "--prompt", "hi", "--device", "cpu", *argv], capsys)
+    assert msg in line
