@@ -224,13 +224,13 @@ def test_step12_prefix_cache_hit_then_window(sw, hf_out):
 
 
 def test_step12_blocks_stay_bounded_when_every_layer_slides(sw):
-    """一个 60 + 80 个 token 的请求（输出与 HF 相同）：每层都滑动时，块数不超过 (最大窗口 − 1 + 一块 − 1 + 一次前向的 token) 的块数，
+    """一个 30 + 40 个 token 的请求（输出与 HF 相同）：每层都滑动时，块数不超过 (最大窗口 − 1 + 一块 − 1 + 一次前向的 token) 的块数，
     与长度无关；有一层全注意力时一块也不还（那一层要看全部 key）。"""
     path, model, windows = sw
     bs, M = 4, 8
     engine = step12_engine(model, block_size=bs, max_num_batched_tokens=M)
-    prompt = [(7 * i) % 250 + 2 for i in range(60)]
-    rid = engine.add_request(Request(prompt, 80, ignore_eos=True))
+    prompt = [(7 * i) % 250 + 2 for i in range(30)]
+    rid = engine.add_request(Request(prompt, 40, ignore_eos=True))
     peak, last, engine_out = 0, None, []
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -240,8 +240,8 @@ def test_step12_blocks_stay_bounded_when_every_layer_slides(sw):
         if rid in engine.seqs:
             peak = max(peak, len(engine.seqs[rid].block_table))
     hf = load_hf_model(path, "cpu", torch.float32)
-    assert engine_out == hf_greedy(hf, prompt, 80, [1], ignore_eos=True)
-    total_blocks = -(-(60 + 80 - 1) // bs)
+    assert engine_out == hf_greedy(hf, prompt, 40, [1], ignore_eos=True)
+    total_blocks = -(-(30 + 40 - 1) // bs)
     if None in windows:
         assert last.kv_blocks_peak == total_blocks
     else:
@@ -309,3 +309,21 @@ def test_step12_run_py_refuses_what_cannot_keep_the_window(sw_tok_dir, argv, msg
     line = cli_error(importlib.import_module("step12_kv_eviction.run"),
                      ["--model", str(sw_tok_dir), "--prompt", "hi", "--device", "cpu", *argv], capsys)
     assert msg in line
+
+
+def test_window_of_one_equals_hf_forward(tmp_path):
+    """极端但合法的 W = 1：每个位置只看自己。对照 HF 的前向（整段重算的 logits），而不是 HF 的 generate——
+    它的滑动窗口缓存只留最后 sliding_window − 1 个 token，写成切片 [-W + 1:]，W = 1 时是 [-0:]，即全部留下，
+    decode 时窗口不起作用（transformers 5.x 的 DynamicSlidingWindowLayer）。step12 的引擎：0 个旧 key 要留，
+    每次前向之后整块整块地还。"""
+    path = make_tiny_model_dir(tmp_path, "mistral", sliding_window=1)
+    model, hf = load_model(path, "cpu", torch.float32), load_hf_model(path, "cpu", torch.float32)
+    ids = PROMPTS[2][:12]
+    with torch.inference_mode():
+        torch.testing.assert_close(model(torch.tensor([ids]), torch.arange(12)[None])[0], hf_logits(hf, ids),
+                                   rtol=1e-4, atol=1e-5)
+    engine = step12_engine(model, max_num_batched_tokens=8, max_batch_size=3)
+    out, stats = engine.generate([Request(p, 16, ignore_eos=True) for p in PROMPTS])
+    assert out == [generate(model, p, 16, ignore_eos=True) for p in PROMPTS]
+    assert max(stats.kv_blocks_peak) <= -(-(0 + 3 + 8) // 4)    # 不满一块的旧槽 + 一次前向的 8 个（提示词要 10 块）
+    assert_all_free(engine)
