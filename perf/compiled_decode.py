@@ -293,7 +293,9 @@ def compile_engine(engine, mode: str = DEFAULT_MODE, buckets: Optional[tuple[int
     if isinstance(model, CompiledDecodeModel):
         return True
     if getattr(kv, "attention", "paged") != "paged" or kv.pool.dtype != model.dtype:
-        what = "a quantized KV pool" if getattr(kv, "fmt", None) is not None else "--attention gather"
+        what = ("a quantized KV pool" if getattr(kv, "fmt", None) is not None else
+                "a sliding-window model (gather path: the kernel has no window)" if model.cfg.sliding else
+                "--attention gather")
         log(f"--compile: {what} has no compiled decode path (the compiled graph calls the paged attention kernel on "
             f"a {model.dtype} pool); decode stays eager")
         return False

@@ -327,3 +327,13 @@ def test_window_of_one_equals_hf_forward(tmp_path):
     assert out == [generate(model, p, 16, ignore_eos=True) for p in PROMPTS]
     assert max(stats.kv_blocks_peak) <= -(-(0 + 3 + 8) // 4)    # 不满一块的旧槽 + 一次前向的 8 个（提示词要 10 块）
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("sw", ["mistral"], indirect=True)
+def test_compile_keeps_a_window_model_eager(sw):
+    """--compile 编的是 paged 内核的 decode；窗口模型走 gather，引擎保持 eager，并说明为什么。"""
+    from perf.compiled_decode import compile_engine
+    path, model, _ = sw
+    msgs = []
+    assert compile_engine(step12_engine(model), log=msgs.append) is False
+    assert "sliding-window" in msgs[0]
