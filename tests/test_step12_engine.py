@@ -232,6 +232,18 @@ def test_window_with_cache_positions_equals_text_positions(tiny):
     assert max(abs(a - b) for x, y in zip(cache[1], text[1]) for a, b in zip(x, y)) < 1e-4
 
 
+@one_arch
+@pytest.mark.parametrize("policy, positions", [("sinks", "cache"), ("h2o", "text")])
+def test_gather_path_equals_the_paged_kernel_under_eviction(tiny, policy, positions):
+    """--attention gather（按槽的掩码、按槽读块）与分页内核在压缩过的缓存上给出同样的 token。"""
+    reqs = requests()
+    cfg = dict(kv_policy=policy, kv_budget=16, kv_positions=positions)
+    paged = engine(tiny.model, **cfg)
+    out = paged.generate(reqs).outputs
+    assert paged.num_compactions > 10
+    assert engine(tiny.model, attention="gather", **cfg).generate(reqs).outputs == out
+
+
 # ---- 分数 ----
 
 class Recorder:
