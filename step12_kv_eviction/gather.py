@@ -22,8 +22,8 @@ step12：KV 驱逐之后，token t 在槽 t − num_evicted（sequence.py）。�
 只看槽号 ≤ s 的 key；RoPE 的位置（positions）另给——text 是原文位置，cache 是槽号（kv_cache.py）。
 
 step12 的滑动窗口层（mistral 之类，cfg.layer_windows）：窗口为 W 的层，query 只看原文位置在 (q − W, q] 里的 key（HF 的规则）。
-这种模型不驱逐之外的任何东西：槽里是原文里连续的一段（槽 s = token s + num_evicted，滑出窗口的整块从开头还掉，
-engine.py 的 _drop_out_of_window），原文位置之差就是槽号之差，所以窗口也按槽号算：每种窗口一个带状掩码（window_masks），
+这种模型不用驱逐策略（kv_policy 只能是 full），槽里总是原文里连续的一段（token t 在槽 t − num_evicted：滑出窗口的整块
+从块表开头还掉，engine.py 的 _drop_out_of_window），原文位置之差就是槽号之差，所以窗口也按槽号算：每种窗口一个带状掩码（window_masks），
 attend 按层挑。
 """
 from dataclasses import dataclass
@@ -143,10 +143,10 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
         # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
         mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
         # 滑动窗口：同一行里第 c 列的 key 与第 i 列的 query 槽号差 c − i（左填充对两者一样）
-        windows = window_masks(cache.windows, mask, col[None, :], col[:, None], dev)
+        win = window_masks(cache.windows, mask, col[None, :], col[:, None], dev)
         return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                                  token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
-                                 **quant, **windows)
+                                 **quant, **win)
     S = max_blocks * bs
     # 按槽号的因果掩码：槽 s 的 query 只看槽号 ≤ s 的 key。块表里还没写（或补齐出来）的槽，
     # 槽号都 > 该行任何真实 query 的槽号，自然被遮住；填充的 query 槽号为 0，只看 key 0，不会整行全遮。
@@ -168,12 +168,12 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
     scale_buf = (torch.empty(len(read_rows), bs, device=dev, dtype=SCALE_DTYPE)
                  if cache.scales is not None else None)
     mask = mask[:, None, None]                                                 # (B, 1, 1, L, S)
-    windows = window_masks(cache.windows, mask, key_pos, slot_idx[:, None, None, :, None], dev)
+    win = window_masks(cache.windows, mask, key_pos, slot_idx[:, None, None, :, None], dev)   # key 槽 (S,)，query 槽 (B, 1, 1, L, 1)
     return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                              token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
                              read_rows=read_rows.to(dev), read_buf=read_buf,
                              v_tail_rows=tail.flatten().nonzero().squeeze(1).to(dev), scale_buf=scale_buf, **quant,
-                             **windows)
+                             **win)
 
 
 def window_masks(windows: tuple, mask: torch.Tensor, key_slot: torch.Tensor, query_slot: torch.Tensor, dev) -> dict:
