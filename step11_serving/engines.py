@@ -20,11 +20,12 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
     "step08": "step08_kv_quant",
     "step09": "step09_speculative",
     "step10": "step10_tensor_parallel",
+    "step12": "step12_kv_eviction",   # step09 的引擎 + KV 驱逐（--kv-policy / --kv-budget …）
 }
 DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
 # 算 logprobs 的（Request.logprobs / prompt_logprobs → RequestOutput 里带着）；更早的引擎不看这两项，服务器回 400
-LOGPROBS_ENGINES = {"step09", "step10"}
+LOGPROBS_ENGINES = {"step09", "step10", "step12"}
 # 认识滑动窗口层的（mistral 之类，common/config.py 的 layer_windows）；更早的引擎的缓存没有窗口，加载时拒绝这种模型
 SLIDING_WINDOW_ENGINES = {"step12"}
 # 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成

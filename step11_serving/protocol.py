@@ -304,8 +304,8 @@ def logprob_counts(req: _SamplingRequest, max_tokens: Optional[int],
         raise APIError(400, f"{name} must be >= 0, got {k}", param=name)
     if max_logprobs is None and (k is not None or prompt is not None):
         which = "logprobs" if k is not None else "max_tokens"
-        raise APIError(400, f"{which}: this server's engine does not compute logprobs (serve with --engine step09 "
-                            f"or step10)", param=which)
+        raise APIError(400, f"{which}: this server's engine does not compute logprobs (serve with --engine step09, "
+                            f"step10 or step12)", param=which)
     if k is not None and k > max_logprobs:
         raise APIError(400, f"{name} must be at most {max_logprobs} (the server's --max-logprobs), got {k}", param=name)
     return k, prompt

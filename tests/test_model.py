@@ -28,6 +28,17 @@ def test_tiny_models_match_hf(tiny):
     assert diff < 1e-5, f"{tiny.arch}: max |Δlogits| = {diff}"
 
 
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_mqa_and_mha_tiny_models_match_hf(tmp_path, kv_heads):
+    """H_kv 是训练时定下的结构（config.json 的 num_key_value_heads），不是推理时的开关：4 个 query 头配 1 个 KV 头
+    （MQA）或 4 个（MHA）的随机小模型，与 HF 的 logits 一致，k_proj / v_proj 的输出宽度就是 H_kv × D。"""
+    path = make_tiny_model_dir(tmp_path, "llama", num_key_value_heads=kv_heads)
+    ours, hf = load_model(path, "cpu", torch.float32), load_hf_model(path, "cpu", torch.float32)
+    assert ours.cfg.num_kv_heads == kv_heads
+    assert hf.model.layers[0].self_attn.k_proj.weight.shape[0] == kv_heads * ours.cfg.head_dim
+    assert _max_diff(ours, hf, list(range(2, 40))) < 1e-5
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

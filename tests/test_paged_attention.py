@@ -2,7 +2,7 @@
 都与"按块表拼出连续 K/V 再调 F.scaled_dot_product_attention"相同；空块和不属于任何请求的槽里放 NaN，输出不变；
 内核编不出来时给出有名字的后备（一行说明）或一行 `error:`。
 
-随机池子：块在池子里随机打散、两个请求共用前缀块、最后一块不满、GQA 比 1 / 3 / 4、head_dim 32 / 64 / 128、
+随机池子：块在池子里随机打散、两个请求共用前缀块、最后一块不满、GQA 比 1 / 3 / 4（MQA：1 个 KV 头配 9 / 71 个 query 头）、head_dim 32 / 64 / 128、
 decode（每个请求 1 个 query）与分块 prefill（query_len > 1，前面的 key 已在池子里）。
 容差（float32）：|差| ≤ 1e-5 + 1e-5 · |期望|（实测最大差约 1e-6）。
 """
@@ -73,6 +73,17 @@ SHAPES = {"decode": ([37, 45, 48, 49, 1], [1, 1, 1, 1, 1]),
 def test_impls_equal_sdpa_on_gathered_kv(G, D, mode):
     seq_lens, query_lens = SHAPES[mode]
     case = make_case(G * 1000 + D, seq_lens, query_lens, H_kv=2 if G == 4 else 3, G=G, D=D)
+    expected = sdpa_on_gathered(*case)
+    for impl in FAST_IMPLS:
+        torch.testing.assert_close(pa.paged_attention(*case, impl=impl), expected, **TOL, msg=impl)
+
+
+@pytest.mark.parametrize("mode", SHAPES)
+@pytest.mark.parametrize("G", [9, 71])
+def test_mqa_one_kv_head(G, mode):
+    """MQA：全部 query 头共用 1 个 KV 头（H_kv = 1）。G = 9 是"SmolLM2 若训练成 MQA"，71 是 Falcon-7B 的头数。"""
+    seq_lens, query_lens = SHAPES[mode]
+    case = make_case(G, seq_lens, query_lens, H_kv=1, G=G, D=64)
     expected = sdpa_on_gathered(*case)
     for impl in FAST_IMPLS:
         torch.testing.assert_close(pa.paged_attention(*case, impl=impl), expected, **TOL, msg=impl)

@@ -150,6 +150,44 @@ def test_tiny_cache_contents_equal_hf_past_key_values(tiny):
             assert torch.allclose(cache.kv[layer, kv], ref, atol=1e-5), (layer, kv)
 
 
+
+@one_arch
+def test_hf_loop_feeding_only_the_new_token_equals_generate(tiny):
+    """HF 自己的循环（analysis/hf_loop.py）：第一次送整段提示词，之后每次只送新 token、把缓存传回去，
+    与 generate 逐 token 相同，缓存每步长 1。每步送整段 input_ids 的错误写法：同一批位置被重复写进缓存
+    （长度 P、P+(P+1)、…），输出与 generate 分道扬镳。"""
+    from step03_kvcache_single.analysis.hf_loop import hf_cached_greedy, hf_generate
+    from common.hf_reference import load_hf_model
+    hf = load_hf_model(tiny.path, "cpu", torch.float32)
+    prompt, n = tiny_prompt(12, seed=5), 8
+    ref = hf_generate(hf, prompt, n)
+    good, good_len = hf_cached_greedy(hf, prompt, n)
+    assert good == ref
+    assert good_len == [len(prompt) + i for i in range(n)]
+    bad, bad_len = hf_cached_greedy(hf, prompt, n, feed_all=True)
+    # 第 i 次前向送了 P + i 个 token，全部追加进缓存：累计长度是 P + (P+1) + … + (P+i)
+    assert bad_len == [sum(len(prompt) + j for j in range(i + 1)) for i in range(n)]
+    assert bad != ref
+
+
+def test_encoder_decoder_cache_self_grows_cross_is_computed_once():
+    """编码器–解码器（analysis/encoder_decoder_cache.py，随机小 T5）：自注意力缓存每步长一个位置，
+    交叉注意力缓存第一步就是输入长度、之后大小不变、张量不被重算（同一块内存）。"""
+    from step03_kvcache_single.analysis.encoder_decoder_cache import decode_with_cache, tiny_t5
+    model = tiny_t5()
+    c = model.config
+    per_pos = 2 * c.num_decoder_layers * c.num_heads * c.d_kv * 4
+    rows = decode_with_cache(model, list(range(2, 22)), 5)
+    assert [r["self_len"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["self_bytes"] for r in rows] == [i * per_pos for i in range(1, 6)]
+    assert {r["cross_len"] for r in rows} == {20} and {r["cross_bytes"] for r in rows} == {20 * per_pos}
+    assert len({r["cross_ptr"] for r in rows}) == 1
+    # 带缓存的手写循环与 HF generate 的贪心结果相同（缓存用对了）
+    with torch.inference_mode():
+        gen = model.generate(torch.tensor([list(range(2, 22))]), max_new_tokens=5, min_new_tokens=5,
+                             do_sample=False, eos_token_id=None)
+    assert gen[0, 1:].tolist() == [r["token"] for r in rows]
+
 # ---------- 经典 bug：每层都推进长度 ----------
 
 class PerLayerAdvanceCache(PreallocKVCache):

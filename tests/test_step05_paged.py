@@ -793,3 +793,27 @@ def test_run_py_generation_mode_with_preemption_equals_step03(real, capsys, monk
             assert res["prompt"] == p and res["prompt_ids"] == ids and c.ok, c.describe()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_first_fit_allocator_accounting_and_fragmentation():
+    """analysis/fragmentation.py 的首次适配分配器：分配取第一个够大的空闲区间，释放时与左右相邻的空闲区间合并；
+    空闲总数够、但没有一段够长时拒绝（外部碎片）。同样的请求序列交给分页池（任意空闲块都能用）就放得下。"""
+    from step05_paged.analysis.fragmentation import FirstFit, simulate
+    ff = FirstFit(100)
+    a, b, c, d = ff.alloc(30), ff.alloc(20), ff.alloc(30), ff.alloc(20)
+    assert (a, b, c, d) == (0, 30, 50, 80) and ff.free_total == 0 and ff.alloc(1) is None
+    ff.free(a, 30)
+    ff.free(c, 30)                                   # 空闲 60 个槽，但分成两段各 30
+    assert ff.holes == [[0, 30], [50, 30]] and ff.free_total == 60 and ff.largest_hole == 30
+    assert ff.alloc(40) is None                      # 外部碎片：总数够，没有一段连续的 40
+    ff.free(b, 20)                                   # 左右都是空闲：三段并成 [0, 80)
+    assert ff.holes == [[0, 80]] and ff.alloc(40) == 0 and ff.holes == [[40, 40]]
+    with pytest.raises(RuntimeError, match="double free"):
+        ff.free(45, 10)
+    # 模拟：两个长请求夹着一个短请求，短的先结束，空出的洞不够第四个请求
+    lengths = [(30, 1), (20, 30), (30, 1), (40, 1)]   # 一生要 30、49、30、40 个槽
+    cont = simulate(lengths, 112, "contiguous", block_size=16)
+    paged = simulate(lengths, 112, "paged-reserve", block_size=16)
+    assert cont.frag_refusals > 0 and cont.unusable_at_refusal and min(cont.unusable_at_refusal) >= 40
+    assert paged.frag_refusals == 0 and paged.steps < cont.steps
+    assert cont.admitted == paged.admitted == 4

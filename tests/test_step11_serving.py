@@ -528,7 +528,7 @@ def test_graceful_shutdown_frees_everything(tok):
 
 # ---------------- 引擎登记表 ----------------
 
-@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08"])
+@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08", "step12"])
 def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
     """--engine stepNN 的参数就是那一步 EngineConfig 的字段（默认值取自 EngineConfig）；num_blocks 不给时按那一步的预算换算。"""
     import dataclasses
@@ -545,6 +545,43 @@ def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
                for f in fields - {"num_blocks", "max_batch_size"})
     if "enable_prefix_caching" in fields:                 # 与 run.py 同名：--no-prefix-cache
         assert build_engine(name, tiny_session, p.parse_args(["--no-prefix-cache"])).config.enable_prefix_caching is False
+
+
+def test_step12_eviction_engine_is_served(tiny_session):
+    """--engine step12 --kv-policy sinks：经过服务器的贪心输出 == 同样配置的引擎直接生成（提示词与输出都超出预算，
+    一路在驱逐），logprobs 照样有；结束后每一块都回到池子。策略参数错了在建引擎时就报错，错误里有参数名。"""
+    from common.errors import UserError
+    s = tiny_session
+    flags = ("--kv-policy", "sinks", "--kv-budget", "16", "--num-sinks", "4")
+    prompts = [chat_ids(s.tok, "长城" * (10 + 7 * i)) for i in range(3)]
+    assert all(len(p) > 20 for p in prompts)
+    ref = real_engine("step12", s, *flags).generate([Request(p, 24, SamplingParams(), ignore_eos=True)
+                                                     for p in prompts]).outputs
+    server = Served(real_engine("step12", s, *flags), s.tok, max_logprobs=5)
+    try:
+        async def one(c, p):
+            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in prompts))
+        got = asyncio.run(asyncio.wait_for(main(), 300))
+        for i, ch in enumerate(got):
+            cmp = compare(f"#{i}", prompts[i], ref[i], ch["token_ids"], None, MARGIN_TOL[s.dtype])
+            assert cmp.ok, cmp.describe()
+            assert len(ch["logprobs"]["token_logprobs"]) == 24
+        assert server.engine.num_compactions > 0                  # 真的驱逐过
+        server.wait_idle()
+        assert server.pool_is_free()
+    finally:
+        server.stop()
+    for bad, name in ((("--kv-policy", "sinks"), "--kv-budget"), (("--num-sinks", "4"), "--num-sinks"),
+                      (("--kv-policy", "h2o", "--kv-budget", "16", "--spec-method", "ngram"), "--spec-method")):
+        with pytest.raises(UserError, match=name):
+            real_engine("step12", s, *bad)
 
 
 def test_step10_tensor_parallel_engine_is_served(tiny_tok_dir):

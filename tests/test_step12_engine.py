@@ -7,7 +7,7 @@
 - 重新旋转：按槽 o 转过的 key 再转 n − o 等于直接在 n 转；window 策略下 cache 与 text 位置的注意力完全一样
   （相对距离相同），不转就不一样；
 - h2o 的分数等于直接算的 softmax（按 KV 组、全部 query 求和）；snapkv 只在 prefill 之后压缩；
-- 换出 / 重算式抢占在驱逐下跑完、块全回来；前缀缓存命中后压缩不碰与别人共享的块；分不到新块时推迟压缩；
+- 换出保留槽、num_evicted 与分数，重算把它们清零，都跑完、块全回来；前缀缓存命中后压缩不碰与别人共享的块；分不到新块时推迟压缩；
 - 坏输入：每条规则一个 UserError，说出参数名；run.py 在加载模型之前一行 error、退出码 2。
 """
 import json
@@ -315,10 +315,36 @@ def test_snapkv_compacts_only_after_prefill_chunks(tiny):
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", ["sinks", "h2o"])
 def test_preemption_under_a_policy(tiny, policy, preempt):
+    """池子 14 块、5 个请求：抢占一定发生。换出的请求回来时槽数、num_evicted、分数都与换出时相同（K/V 原样搬回）；
+    重算的请求从头再来（num_evicted 清零）。都跑完，块全回来。"""
     e = engine(tiny.model, num_blocks=14, kv_policy=policy, kv_budget=16, preempt=preempt)
-    out = e.generate(requests())
-    assert out.stats.preemptions > 0 and e.num_compactions > 0
-    assert [len(o) for o in out.outputs] == [30] * 5
+    ids = [e.add_request(r) for r in requests()]
+    out, away, back, preempted = {i: [] for i in ids}, {}, [], []
+    preempt_one = e.scheduler._preempt
+    e.scheduler._preempt = lambda seq: preempted.append(seq.num_evicted) or preempt_one(seq)
+    if e.swap is not None:
+        swap_in = e.swap.swap_in
+
+        def checked_swap_in(handle, blocks):   # 调度器换入的是 swapped 的队头
+            seq = e.scheduler.swapped[0]
+            evicted, kv_len, scores = away.pop(seq.request_id)
+            assert (seq.num_evicted, seq.kv_len) == (evicted, kv_len)
+            assert scores is None or torch.equal(seq.kv_scores, scores)
+            back.append(evicted)
+            return swap_in(handle, blocks)
+        e.swap.swap_in = checked_swap_in
+    while e.has_unfinished_requests():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+        for seq in e.scheduler.swapped:         # 换出之后、换入之前的样子
+            away.setdefault(seq.request_id, (seq.num_evicted, seq.kv_len, None if seq.kv_scores is None
+                                             else seq.kv_scores.clone()))
+        for seq in e.scheduler.waiting:
+            assert seq.num_evicted == 0 and seq.kv_scores is None
+    assert not e.scheduler.swapped and not away
+    assert any(back) == (preempt == "swap")      # 换出过已经压缩过的请求
+    assert any(preempted) and e.num_compactions > 0   # 抢占过已经压缩过的请求
+    assert [len(out[i]) for i in ids] == [30] * 5
     assert_all_free(e)
 
 
