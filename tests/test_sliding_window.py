@@ -337,3 +337,22 @@ def test_compile_keeps_a_window_model_eager(sw):
     msgs = []
     assert compile_engine(step12_engine(model), log=msgs.append) is False
     assert "sliding-window" in msgs[0]
+
+
+def test_server_serves_a_window_model_with_step12(sw_tok_dir, capsys):
+    """step11 的 run.py（提示词经过服务器）：--engine step12 加载窗口模型，输出与 HF 的贪心相同；默认引擎（step10）拒绝。"""
+    import json
+
+    from common import cli
+    from step11_serving import run as run11
+    argv = ["--model", str(sw_tok_dir), "--prompt", "Once upon a time, in a land far away", "--max-new-tokens", "16",
+            "--ignore-eos", "--device", "cpu", "--dtype", "float32", "--json"]
+    assert "step12_kv_eviction" in cli_error(run11, argv, capsys)
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(run11.make_parser(argv + ["--engine", "step12"]), run11.main, argv + ["--engine", "step12",
+                                                                                          "--block-size", "4"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out[-2000:]
+    res = json.loads(out.strip().splitlines()[-1])["results"][0]
+    hf = load_hf_model(sw_tok_dir, "cpu", torch.float32)
+    assert res["output_ids"] == hf_greedy(hf, res["prompt_ids"], 16, [], ignore_eos=True)
