@@ -1,0 +1,160 @@
+"""step12：掩码模拟（reference.py）本身对不对，以及引擎的真实缓存与它逐位置一致。
+
+对照自己先要站得住（随机小模型，float64）：
+- 预算盖住整个序列时，每个策略都等于不带缓存的整段前向（logits），生成的 token 与整段前向逐位的 argmax 一致；
+- window + 文本位置 = 手写的带状掩码：每个 query 看得见的 key 区间由"每次前向之后 ≥ B + bs 就留 B"的算术直接写出
+  （不跟踪 kept）；block_size = 1 时就是经典的宽 B + 1 的带；
+- sinks + 缓存内位置，在 1 层的小模型上逐个 query 手算：看得见的 token 列成表，位置就是表里的下标，
+  逐头做 softmax、o_proj、MLP、lm_head；
+- 留哪些的两个规则（最近的 + 分数最高的、平局先留下标小的；snapkv 的最大池化）在手写的小例子上。
+"""
+import math
+
+import pytest
+import torch
+
+from common.model import apply_rope
+from common.weights import load_model
+from conftest import make_tiny_model_dir
+from step12_kv_eviction.reference import keep_recent_and_top, keep_sinks, keep_window, simulate, snapkv_pooled
+
+POLICY_POSITIONS = [("window", "cache"), ("window", "text"), ("sinks", "cache"), ("sinks", "text"),
+                    ("h2o", "cache"), ("h2o", "text"), ("snapkv", "cache"), ("snapkv", "text")]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """qwen3（q/k 各有 RMSNorm、GQA 2 组）的随机小模型，float64：对照自己的检查要紧到舍入误差。"""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("ref64"), "qwen3", seed=3)
+    return load_model(path, "cpu", torch.float64)
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("ref1l"), "llama", seed=4, num_hidden_layers=1)
+    return load_model(path, "cpu", torch.float64)
+
+
+def ids_of(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None])[0].float()
+
+
+def kv_before_chunks(chunks: list[int], budget: int, bs: int) -> list[int]:
+    """每一块开始时缓存里有几个 token：每次前向之后 ≥ budget + bs 就剩 budget 个（设计里的触发规则）。"""
+    kv, out = 0, []
+    for c in chunks:
+        out.append(kv)
+        kv += c
+        if kv >= budget + bs:
+            kv = budget
+    return out
+
+
+def schedule(P: int, chunk: int, max_new: int) -> list[int]:
+    return [min(chunk, P - i) for i in range(0, P, chunk)] + [1] * (max_new - 1)
+
+
+class BandCache:
+    """KVCache：不存东西，整段一次前向，掩码直接给（True = 看得见）。"""
+    def __init__(self, mask):
+        self.mask = mask
+
+    def update(self, layer_idx, k, v):
+        return k, v
+
+    def attend(self, layer_idx, q, k, v):
+        from common.model import attention
+        return attention(q, k, v, self.mask)
+
+
+@pytest.mark.parametrize("policy,positions", POLICY_POSITIONS + [("full", None)])
+def test_budget_covering_everything_is_the_plain_forward(tiny64, policy, positions):
+    P, new = 37, 9
+    ids = ids_of(P)
+    r = simulate(tiny64, ids, policy=policy, positions=positions, budget=None if policy == "full" else P + new,
+                 block_size=4, chunk=8, max_new_tokens=new, snapkv_window=8, snapkv_pool=3)
+    assert r.num_compactions == 0
+    seq = ids + r.output_ids
+    ref = plain_logits(tiny64, seq[:-1])
+    assert r.logits.shape == ref.shape
+    torch.testing.assert_close(r.logits, ref, rtol=0, atol=1e-6)
+    assert r.output_ids == ref[P - 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("budget,bs,chunk", [(6, 1, 1), (6, 4, 1), (9, 4, 5), (8, 8, 3)])
+def test_window_text_positions_is_a_band(tiny64, budget, bs, chunk):
+    """window、文本位置：query t（在从 s 开始的那一块里）看得见 [s − kv(s), t]。整段一次前向、用这个带状掩码，
+    logits 与模拟相同。bs = 1、chunk = 1 时 kv(s) = min(s, B)：宽 B + 1 的经典滑动窗口。"""
+    P, new = 30, 8
+    ids = ids_of(P, seed=1)
+    r = simulate(tiny64, ids, policy="window", positions="text", budget=budget, block_size=bs, chunk=chunk,
+                 max_new_tokens=new)
+    assert r.num_compactions > 0
+    seq = (ids + r.output_ids)[:-1]
+    chunks = schedule(P, chunk, new)
+    mask = torch.zeros(len(seq), len(seq), dtype=torch.bool)
+    s = 0
+    for c, kv in zip(chunks, kv_before_chunks(chunks, budget, bs)):
+        for t in range(s, s + c):
+            mask[t, s - kv:t + 1] = True
+        s += c
+    if bs == 1 and chunk == 1:
+        assert torch.equal(mask, torch.ones_like(mask).tril() & ~torch.ones_like(mask).tril(-budget - 1))
+    band = tiny64(torch.tensor([seq]), torch.arange(len(seq))[None], BandCache(mask))[0].float()
+    torch.testing.assert_close(r.logits, band, rtol=0, atol=1e-6)
+    assert r.output_ids == band[P - 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("sinks,budget,bs,chunk", [(2, 7, 4, 1), (3, 9, 4, 6), (1, 5, 2, 4)])
+def test_sinks_cache_positions_by_hand(one_layer, sinks, budget, bs, chunk):
+    """sinks、缓存内位置，1 层模型逐个 query 手算：query t 看得见最前面的 sinks 个 + 这一块之前缓存里最近的
+    kv(s) − sinks 个 + 这一块里 ≤ t 的；位置 = 在这张表里的下标（query 自己在最后）。"""
+    m = one_layer
+    P, new = 26, 10
+    ids = ids_of(P, seed=2)
+    r = simulate(m, ids, policy="sinks", positions="cache", num_sinks=sinks, budget=budget, block_size=bs,
+                 chunk=chunk, max_new_tokens=new)
+    assert r.num_compactions > 0
+    seq = (ids + r.output_ids)[:-1]
+    cfg, layer = m.cfg, m.layers[0]
+    H, H_kv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = m.embed_tokens(torch.tensor(seq))                                   # (T, E)
+    h = layer.input_layernorm(x)
+    q = layer.self_attn.q_proj(h).view(-1, H, D)
+    k = layer.self_attn.k_proj(h).view(-1, H_kv, D)
+    v = layer.self_attn.v_proj(h).view(-1, H_kv, D)
+    chunks = schedule(P, chunk, new)
+    rows, s = [], 0
+    for c, kv in zip(chunks, kv_before_chunks(chunks, budget, bs)):
+        kept = list(range(min(sinks, kv))) + list(range(s - (kv - min(sinks, kv)), s))
+        for t in range(s, s + c):
+            vis = kept + list(range(s, t + 1))
+            pos = torch.arange(len(vis))[None]                              # (1, n)：表里的下标
+            cos, sin = m.rope(pos, x.dtype)
+            kr = apply_rope(k[vis].transpose(0, 1)[None], cos, sin)[0]     # (H_kv, n, D)
+            qr = apply_rope(q[t][:, None][None], cos[:, -1:], sin[:, -1:])[0, :, 0]   # (H, D)：位置 n − 1
+            heads = []
+            for hh in range(H):
+                g = hh // (H // H_kv)
+                p = torch.softmax(kr[g] @ qr[hh] / math.sqrt(D), dim=0)     # (n,)
+                heads.append(p @ v[vis, g])
+            y = x[t] + layer.self_attn.o_proj(torch.cat(heads))
+            y = y + layer.mlp(layer.post_attention_layernorm(y))
+            rows.append(m.lm_head(m.norm(y)).float())
+        s += c
+    torch.testing.assert_close(r.logits, torch.stack(rows), rtol=0, atol=1e-6)
+
+
+def test_selection_rules_by_hand():
+    assert keep_window(10, 4).tolist() == [6, 7, 8, 9]
+    assert keep_sinks(10, 5, 2).tolist() == [0, 1, 7, 8, 9]
+    s = torch.tensor([5., 1, 5, 3, 0, 2, 9])                                 # 最后 2 个一定留；其余取最高的 2 个
+    assert keep_recent_and_top(s, 4, 2).tolist() == [0, 2, 5, 6]
+    s = torch.tensor([1., 3, 3, 0, 3, 7, 7])                                 # 三个 3 平局：先留下标小的
+    assert keep_recent_and_top(s, 4, 2).tolist() == [1, 2, 5, 6]
+    vote = torch.tensor([0., 5, 0, 0, 0, 0, 1, 9, 9])                       # 窗口 2、核 3：前 7 个池化，边上不补值
+    assert snapkv_pooled(vote, 2, 3).tolist() == [5., 5, 5, 0, 0, 1, 1, 0, 0]
