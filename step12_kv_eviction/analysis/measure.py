@@ -117,7 +117,7 @@ class Measure:
                 for c in cases:
                     run = run_one(e, greedy_request(c.ids, new))
                     hits[c.context_len if after else c.context_len + q] += c.correct(s.tok.decode(run.output_ids))
-                    if after and run.trace[-1][2] > 0:
+                    if after and run.max_evicted > 0:
                         evicting += 1
                         mech &= asked_after_compaction(run.trace, c.context_len, q)
                 ch.done(e)
@@ -214,7 +214,7 @@ class Measure:
             for name, e in engines.items():
                 run = run_one(e, greedy_request(self.text[:P], new))
                 times[name].append(run.decode_step_s)
-                evicted += run.trace[-1][2]
+                evicted += run.max_evicted
         ch.done(*engines.values())
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
         rows = []

@@ -95,13 +95,17 @@ class Run:
         return sum(s for s, p in zip(self.step_seconds, self.step_prefill) if p)
 
     @property
+    def max_evicted(self) -> int:
+        return max((v for _, _, v in self.trace), default=0)
+
+    @property
     def peak_blocks(self) -> int:
         traced = max((b for _, b, _ in self.trace), default=0)
         return max(traced, self.kv_blocks_peak or 0)
 
 
 def run_one(engine, request: Request) -> Run:
-    """一个请求单独跑完（引擎里没有别的请求），每次前向之后记一笔。结束的那一步块已经还了：用 RequestOutput 报的数。"""
+    """一个请求单独跑完（引擎里没有别的请求），每次前向之后记一笔（结束的那一步除外）。"""
     rid = engine.add_request(request)
     seq = engine.seqs[rid]
     run, done = Run(), False
@@ -124,8 +128,8 @@ def run_one(engine, request: Request) -> Run:
                     done = True
                     run.kv_blocks_end = getattr(o, "kv_blocks", None)
                     run.kv_blocks_peak = getattr(o, "kv_blocks_peak", None)
-            blocks = run.kv_blocks_end if done and run.kv_blocks_end is not None else len(seq.block_table)
-            run.trace.append((seq.num_computed_tokens, blocks, getattr(seq, "num_evicted", 0)))
+            if not done:     # 结束时块已经还了、计数清零了：最后一步只记 RequestOutput 报的块数（kv_blocks_end）
+                run.trace.append((seq.num_computed_tokens, len(seq.block_table), getattr(seq, "num_evicted", 0)))
     finally:
         engine.abort(rid)
     run.wall_s = time.perf_counter() - t0
