@@ -29,16 +29,15 @@ from step12_kv_eviction.analysis.texts import long_text_ids, text_source
 
 STEP = "step12_kv_eviction"
 FULL = Setting()
-# 测量计划：完整模式约 30 分钟（2 核，见 docs/12），--quick 约 1–2 分钟。名字就是表格里的行、figures 里的后缀
+# 测量计划：完整模式约 40 分钟（空闲的 2 核），--quick 约 5 分钟。名字就是表格里的行、figures 里的后缀
 PLAN = {
-    False: dict(text_tokens=16384, stream_new=16, nll_window=1024, plot_width=256,
-                streams=["full", "window_512", "sinks4_256_cachepos", "sinks4_512_cachepos", "sinks4_1024_cachepos",
-                         "sinks4_2048_cachepos", "sinks4_512_textpos", "h2o_512", "h2o_2048", "snapkv_512",
-                         "snapkv_2048"],
-                passkey_lens=[1024, 2048, 4096], passkey_depths=[0.1, 0.5, 0.9],
-                passkey_inside=["full", "window_512", "sinks4_512_cachepos", "h2o_512", "h2o_1024", "snapkv_512",
-                                "snapkv_1024"],
-                passkey_after=["h2o_512", "h2o_1024", "snapkv_512", "snapkv_1024"],
+    False: dict(text_tokens=16384, stream_new=16, nll_window=2048, plot_width=256,
+                streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512", "snapkv_512"],
+                sweep_tokens=4096, sweep=["sinks4_256_cachepos", "sinks4_1024_cachepos", "sinks4_2048_cachepos",
+                                          "h2o_256", "h2o_1024", "h2o_2048", "snapkv_256", "snapkv_1024", "snapkv_2048"],
+                passkey_lens=[1024, 4096], passkey_depths=[0.1, 0.5, 0.9],
+                passkey_inside=["full", "window_512", "sinks4_512_cachepos", "h2o_512", "snapkv_512", "snapkv_1024"],
+                passkey_after=["h2o_512", "snapkv_512", "snapkv_1024"], passkey_chunked=["snapkv_512"],
                 greedy_context=1024, greedy_new=32,
                 greedy=["window_512", "sinks4_256_cachepos", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512",
                         "snapkv_512"],
@@ -47,8 +46,10 @@ PLAN = {
                 under_prompt=256, under_new=64, under_budget=2048, repeats=3),
     True: dict(text_tokens=1536, stream_new=8, nll_window=256, plot_width=64,
                streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512", "snapkv_512"],
+               sweep_tokens=1536, sweep=["sinks4_256_cachepos"],
                passkey_lens=[1024], passkey_depths=[0.1, 0.5, 0.9],
                passkey_inside=["full", "sinks4_512_cachepos", "snapkv_512"], passkey_after=["snapkv_512"],
+               passkey_chunked=["snapkv_512"],
                greedy_context=512, greedy_new=16, greedy=["sinks4_256_cachepos", "h2o_256", "snapkv_256"],
                conc_requests=4, conc_prompt=768, conc_new=8, conc_setting="sinks4_256_cachepos",
                decode_context=1024, decode_new=8, decode_settings=["full", "sinks4_512_cachepos", "h2o_512"],

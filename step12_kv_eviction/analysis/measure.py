@@ -42,10 +42,19 @@ class Measure:
             if st.policy != "full":
                 bound_ok &= run.peak_blocks <= self.bound(st, new)
             print(f"  {st.label:<22} {run.wall_s:7.1f} s  峰值 {run.peak_blocks} 块", flush=True)
+        # 预算扫描：同一段文本的前 sweep_tokens 个 token（full 的这一段与长文本那次逐位相同：因果、同样的分块）
+        M = min(p["sweep_tokens"], N)
+        sweep = {}
+        for st in map(parse, p["sweep"]):
+            e = ch.engine(st, num_blocks=pool_blocks(st, M, ch.chunk, ch.bs), prefix=False)
+            run = sweep[st.label] = run_one(e, stream_request(self.text[:M], 0))
+            ch.done(e)
+            bound_ok &= run.peak_blocks <= self.bound(st)
+            print(f"  {st.label:<22} {run.wall_s:7.1f} s  峰值 {run.peak_blocks} 块（前 {M} 个 token）", flush=True)
         ch.checks["kv_blocks_bounded_by_budget"] = bound_ok
-        budgets = [parse(x).budget for x in p["streams"] if x != FULL_LABEL]
+        budgets = [parse(x).budget for x in p["streams"] + p["sweep"] if x != FULL_LABEL]
         lo = max(budgets) + ch.chunk                  # 从这里起每个设置都已经驱逐过
-        agree_hi = min(N, ch.ctx)                     # 与 full 比只在训练长度之内（之外 full 自己也不是"精确"）
+        agree_hi = min(M, ch.ctx)                     # 与 full 比只在训练长度之内（之外 full 自己也不是"精确"），各预算同一段
         full = runs[FULL_LABEL]
         # 窗口平均表
         w = p["nll_window"]
@@ -76,6 +85,17 @@ class Measure:
                          f"{a:.3f}" if label != FULL_LABEL else "-", f"{d:+.4f}" if label != FULL_LABEL else "-",
                          r.peak_blocks, f"{r.peak_blocks * ch.bs * bpt / 2**20:.1f}", f"{r.prefill_s:.1f}",
                          f"{dec * 1e3:.1f}", f"{ratio:.2f}"])
+        srows = []
+        for label, r in sweep.items():
+            a, d = agreement(full, r, lo, agree_hi)
+            self.fig[f"top1_agreement_{label}"] = round(a, 4)
+            self.fig[f"nll_delta_{label}"] = round(d, 4)
+            srows.append([label, f"{mean_nll(r, lo, agree_hi):.3f}", f"{a:.3f}", f"{d:+.4f}", r.peak_blocks,
+                          f"{r.prefill_s:.1f}"])
+        if srows:
+            srows.insert(0, [FULL_LABEL, f"{mean_nll(full, lo, agree_hi):.3f}", "-", "-", "-", "-"])
+            print(f"\n预算扫描：前 {M} 个 token，位置 {lo}–{agree_hi} 与 full 比（teacher forcing）")
+            print(table(["设置", "平均 NLL", "top-1 一致", "NLL 差", "峰值块", "prefill (s)"], srows))
         print(f"\n位置 {lo}–{N}（每个设置都已驱逐过）的平均 NLL；top-1 一致与 NLL 差：与 full 比，位置 {lo}–{agree_hi}"
               f"（训练长度之内，teacher forcing = 同一段真实文本）；decode：文本之后再生成 {new} 个 token 的每步中位数")
         print(table(["设置", "平均 NLL", f"NLL（{ch.ctx} 之后）", "top-1 一致", "NLL 差", "峰值块", "峰值 MiB",
@@ -103,34 +123,41 @@ class Measure:
 
     # ---------- [3] passkey ----------
     def passkey(self):
+        """一次 prefill（每次前向的预算 = 这个提示词的上下文长度）：整个上下文在一次前向里算完、压缩一次——SnapKV、
+        PyramidKV 等论文评测的做法。问题在提示词里时它在这次前向的末尾（观察窗口里）；压缩之后才问时，上下文正好是
+        这一次前向，问题是下一次。另有一行"分块"：每次前向 --max-num-batched-tokens 个，每一块都压缩一次。"""
         ch, p, s = self.ch, self.p, self.s
-        lens = [-(-n // ch.chunk) * ch.chunk for n in p["passkey_lens"]]    # 上下文是一块的整数倍（问题之后才问要它）
+        lens = p["passkey_lens"]
         q, new = len(encode(s.tok, QUESTION)), 8
         stage(f"\n[3] passkey：上下文 {lens} token，深度 {p['passkey_depths']}；问题 {q} 个 token；贪心生成 {new} 个，"
               f"第一串数字等于藏的数才算对 ...")
         rows, mech, evicting = [], True, 0
-        for after, labels in ((False, p["passkey_inside"]), (True, p["passkey_after"])):
-            cases = passkey_set(s.tok, lens, p["passkey_depths"], after)
-            for st in map(parse, labels):
-                e = ch.engine(st, num_blocks=pool_blocks(st, max(lens) + q + new, ch.chunk, ch.bs, new), prefix=False)
-                hits = {n: 0 for n in lens}
-                for c in cases:
+        plan = ([(False, x, False) for x in p["passkey_inside"]] + [(True, x, False) for x in p["passkey_after"]]
+                + [(False, x, True) for x in p["passkey_chunked"]])
+        for after, label, chunked in plan:
+            st = parse(label)
+            hits = {n: 0 for n in lens}
+            for n in lens:
+                chunk = ch.chunk if chunked else n
+                e = ch.engine(st, num_blocks=pool_blocks(st, n + q + new, chunk, ch.bs, new), prefix=False, chunk=chunk)
+                for c in passkey_set(s.tok, [n], p["passkey_depths"], after):
                     run = run_one(e, greedy_request(c.ids, new))
-                    hits[c.context_len if after else c.context_len + q] += c.correct(s.tok.decode(run.output_ids))
+                    hits[n] += c.correct(s.tok.decode(run.output_ids))
                     if after and run.max_evicted > 0:
                         evicting += 1
                         mech &= asked_after_compaction(run.trace, c.context_len, q)
                 ch.done(e)
-                per = len(p["passkey_depths"])
-                acc = sum(hits.values()) / len(cases)
-                self.fig[f"passkey_acc_{st.label}" + ("_asked_after" if after else "")] = round(acc, 4)
-                rows.append([st.label, "压缩之后才问" if after else "问题在提示词里"] + [f"{hits[n]}/{per}" for n in lens]
-                            + [f"{acc:.0%}"])
+            per = len(p["passkey_depths"])
+            acc = sum(hits.values()) / (per * len(lens))
+            self.fig[f"passkey_acc_{st.label}" + ("_asked_after" if after else "_chunked" if chunked else "")] = round(acc, 4)
+            how = "压缩之后才问" if after else f"问题在提示词里，每块 {ch.chunk}" if chunked else "问题在提示词里"
+            rows.append([st.label, how] + [f"{hits[n]}/{per}" for n in lens] + [f"{acc:.0%}"])
         ch.checks["passkey_question_asked_after_compaction"] = mech and evicting > 0
         print(table(["设置", "问法"] + [f"{n} token" for n in lens] + ["准确率"], rows))
-        print(f"问题在提示词里：整个提示词正好是一块的整数倍，问题收在最后一块的末尾，与上下文一起被压缩（snapkv 的观察窗"
-              f"里有它）；压缩之后才问：上下文恰好结束在一块的边界，压缩之后问题单独一块（{q} < 块大小 {ch.bs}，"
-              f"不再触发压缩）——{evicting} 次有驱逐的运行都核对了这个顺序")
+        print(f"上下文一次 prefill 完、压缩一次。问题在提示词里：问题在这次前向的末尾，snapkv 的观察窗口里就是它；"
+              f"压缩之后才问：上下文恰好是一次前向，压缩之后问题（{q} 个 token，少于块大小 {ch.bs}，不再触发压缩）单独一次前向"
+              f"——{evicting} 次有驱逐的运行都从每一步的记录核对了这个顺序。\"每块 {ch.chunk}\"：分块 prefill，每一块之后"
+              f"都按那一块末尾的观察窗口压缩一次，问题来之前藏的数可能已经被扔了")
 
     # ---------- [4] 贪心生成的第一次分歧 ----------
     def greedy(self):

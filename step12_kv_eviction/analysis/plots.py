@@ -36,23 +36,29 @@ def plot_nll(path, runs: dict, width: int, trained: int, chunk: int, source: str
 
 
 def plot_blocks(path, runs: dict, block_size: int, bytes_per_token: float) -> None:
-    """每次前向之后这个请求持有几块（左轴）与多少 MiB（右轴），横轴是已经算过的 token。"""
+    """每次前向之后这个请求持有几块（左轴）与多少 MiB（右轴），横轴是已经算过的 token。
+    full 画两条：持有的块（step09 的做法：接纳时就分好整个提示词的块）与其中已经写了 K/V 的块（随长度一直长）；
+    驱逐的设置预算相同时各条线重合，只画出来、在图例里列名字。"""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for label, run in runs.items():
-        xs = [c for c, _, _ in run.trace]
-        ys = [b for _, b, _ in run.trace]
-        ax.step(xs, ys, where="post", label=label, lw=1.6 if label == "full" else 1.0,
-                color="black" if label == "full" else None)
+        xs = [0] + [c for c, _, _ in run.trace]
+        ys = [0] + [b for _, b, _ in run.trace]
+        if label == "full":
+            ax.step(xs, ys, where="post", lw=1.6, color="black", ls="--", label="full：持有的块（接纳时分好整个提示词）")
+            ax.step(xs, [-(-c // block_size) for c in xs], where="post", lw=1.6, color="black",
+                    label="full：已写入 K/V 的块")
+        else:
+            ax.step(xs, ys, where="post", lw=1.0, label=label)
     ax.set_xlabel("已经算过的 token（提示词 + 生成）")
-    ax.set_ylabel(f"这个请求持有的 KV 块（每块 {block_size} token）")
+    ax.set_ylabel(f"这个请求的 KV 块（每块 {block_size} token）")
     right = ax.twinx()
     lo, hi = ax.get_ylim()
     right.set_ylim(lo * block_size * bytes_per_token / 2**20, hi * block_size * bytes_per_token / 2**20)
     right.set_ylabel("MiB")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("驱逐之后块真的还回池子：持有的块不再随长度增长", fontsize=10)
+    ax.set_title("每次前向（及压缩）之后：驱逐的请求持有的块不再随长度增长", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
