@@ -98,4 +98,4 @@ def test_agreement_and_mean_nll_use_positions_lo_to_hi():
 
 
 def test_ktok():
-    assert ktok(16384) == "16k" and ktok(8192) == "8k" and ktok(1024) == "1k" and ktok(2048) == "2k"
+    assert ktok(16384) == "16k" and ktok(8192) == "8k" and ktok(1024) == "1k" and ktok(1536) == "1.5k"
