@@ -181,6 +181,12 @@ def run_engine(model, prompts, max_new, **cfg):
             sched.setdefault(seq.request_id, []).append((seq.num_computed_tokens, len(seq.output_ids), n))
         return out
     eng.scheduler.schedule = recording_schedule
+    preempt, eng.preemptions = eng.scheduler._preempt, 0
+
+    def counting_preempt(seq):
+        eng.preemptions += 1
+        preempt(seq)
+    eng.scheduler._preempt = counting_preempt
     rids = [eng.add_request(Request(p, max_new, SamplingParams(), ignore_eos=True, logprobs=0, prompt_logprobs=0))
             for p in prompts]
     got = {r: ([], None, []) for r in rids}
@@ -207,28 +213,36 @@ def lives(steps):
 
 
 def check_against_reference(model, prompts, max_new, atol=1e-5, **cfg):
+    """引擎跑一批，每个请求的每一生（重算式抢占后从头再来）各用它那一生的块跑一遍模拟，逐项比较。
+    一生在 prefill 中途被抢占：模拟只算到那里（它算过的提示词位置的 logprob 就是引擎报告的：引擎不重复报告）。"""
     knobs = {k: cfg[k] for k in ("num_sinks", "h2o_recent", "snapkv_window", "snapkv_pool") if k in cfg}
     eng, results = run_engine(model, prompts, max_new, **cfg)
     assert eng.num_compactions_skipped == 0
     compactions = 0
     for prompt, (out, plps, lps, steps) in zip(prompts, results):
-        for n_out, sizes in lives(steps):          # 重算的那一生：提示词 = 原提示词 + 当时已有的输出
-            ids = prompt + out[:n_out]
-            P, chunks = len(ids), []
-            while sum(chunks) < P:
+        ls = lives(steps)
+        want_plps = []
+        for (n_out, sizes), end in zip(ls, [n for n, _ in ls[1:]] + [max_new]):   # 这一生产出 out[n_out:end]
+            ids = prompt + out[:n_out]             # 重算的那一生：提示词 = 原提示词 + 当时已有的输出
+            chunks = []
+            while sum(chunks) < len(ids) and len(chunks) < len(sizes):
                 chunks.append(sizes[len(chunks)])
-            assert sum(chunks) == P and all(n == 1 for n in sizes[len(chunks):])
-            sim = simulate(model, ids, policy=cfg["kv_policy"], budget=cfg["kv_budget"], positions=cfg.get("kv_positions"),
-                           block_size=cfg.get("block_size", 4), chunk=chunks, max_new_tokens=max_new - n_out, **knobs)
+            P = sum(chunks)                        # < len(ids)：这一生在 prefill 中途被抢占
+            assert P <= len(ids) and all(n == 1 for n in sizes[len(chunks):])
+            assert P == len(ids) or end == n_out
+            sim = simulate(model, ids[:P], policy=cfg["kv_policy"], budget=cfg["kv_budget"],
+                           positions=cfg.get("kv_positions"), block_size=cfg.get("block_size", 4), chunk=chunks,
+                           max_new_tokens=end - n_out, **knobs)
             compactions += sim.num_compactions
             assert sim.selection_margin > 1e-6, "近乎平局的挑选：换一个种子"
-            assert out[n_out:] == sim.output_ids, (prompt, n_out, out[n_out:], sim.output_ids)
+            assert out[n_out:end] == sim.output_ids, (prompt, n_out, out[n_out:end], sim.output_ids)
             lp = torch.log_softmax(sim.logits.double(), dim=-1)
-            if n_out == 0:                          # 提示词的 logprob 只在第一生给出
-                want = lp[torch.arange(P - 1), torch.tensor(ids[1:])]
-                torch.testing.assert_close(torch.tensor(plps, dtype=torch.float64), want, rtol=0, atol=atol)
-            want = lp[P - 1 + torch.arange(len(sim.output_ids)), torch.tensor(sim.output_ids)]
-            torch.testing.assert_close(torch.tensor(lps[n_out:], dtype=torch.float64), want, rtol=0, atol=atol)
+            rows = torch.arange(len(want_plps), min(P, len(prompt) - 1))          # 还没报告过的提示词位置
+            want_plps += lp[rows, torch.tensor(prompt)[rows + 1]].tolist()
+            want = lp[P - 1 + torch.arange(end - n_out), torch.tensor(sim.output_ids, dtype=torch.long)]
+            torch.testing.assert_close(torch.tensor(lps[n_out:end], dtype=torch.float64), want, rtol=0, atol=atol)
+        torch.testing.assert_close(torch.tensor(plps, dtype=torch.float64), torch.tensor(want_plps, dtype=torch.float64),
+                                   rtol=0, atol=atol)
     assert compactions > 0
     return eng, results
 
@@ -242,3 +256,17 @@ def test_engine_equals_reference(tiny64, policy, positions, bs, attention):
     knobs = dict(num_sinks=2) if policy == "sinks" else dict(snapkv_window=8, snapkv_pool=3) if policy == "snapkv" else {}
     check_against_reference(tiny64, BATCH, 20, kv_policy=policy, kv_positions=positions, kv_budget=2 * bs + 4,
                             block_size=bs, attention=attention, **knobs)
+
+
+@pytest.mark.parametrize("preempt", ["swap", "recompute"])
+@pytest.mark.parametrize("policy,positions", [("h2o", "text"), ("sinks", "cache")])
+def test_preemption_against_reference(tiny64, policy, positions, preempt):
+    """小池子里抢占。换出：槽、num_evicted、分数原样回来，输出与没被抢占的模拟相同；重算：从头再 prefill
+    （提示词 + 当时已有的输出，策略一块一块重新作用）——对照是以那一串为提示词的模拟。不开前缀缓存：
+    重算时命中自己登记过的前缀块，第一块就不是从 0 算起（h2o 的分数也少了那些 query 的）。"""
+    eng, results = check_against_reference(
+        tiny64, BATCH, 24, kv_policy=policy, kv_positions=positions, kv_budget=12, num_blocks=9, preempt=preempt,
+        enable_prefix_caching=False, **(dict(num_sinks=2) if policy == "sinks" else {}))
+    assert eng.preemptions > 0
+    if preempt == "recompute":
+        assert any(len(lives(steps)) > 1 for *_, steps in results)
