@@ -218,7 +218,10 @@ def lives(steps):
     return out
 
 
-def check_against_reference(model, prompts, max_new, atol=1e-5, prompt_logprobs=0, **cfg):
+NEAR_TIE = 1e-5   # 模拟里挑选的相对余量小于它：引擎的 float32 分数可能挑得不同，这样的例子不能用来比
+
+
+def check_against_reference(model, prompts, max_new, atol=1e-5, prompt_logprobs=0, must_evict=True, **cfg):
     """引擎跑一批，每个请求的每一生（重算式抢占后从头再来）各用它那一生的块跑一遍模拟，逐项比较。
     一生在 prefill 中途被抢占：模拟只算到那里（它算过的提示词位置的 logprob 就是引擎报告的：引擎不重复报告）。"""
     knobs = {k: cfg[k] for k in ("num_sinks", "h2o_recent", "snapkv_window", "snapkv_pool") if k in cfg}
@@ -240,17 +243,17 @@ def check_against_reference(model, prompts, max_new, atol=1e-5, prompt_logprobs=
                            positions=cfg.get("kv_positions"), block_size=cfg.get("block_size", 4), chunk=chunks,
                            max_new_tokens=end - n_out, **knobs)
             compactions += sim.num_compactions
-            assert sim.selection_margin > 1e-6, "近乎平局的挑选：换一个种子"
+            assert sim.selection_margin > NEAR_TIE, f"近乎平局的挑选（相对余量 {sim.selection_margin:.1e}）：换一个种子"
             assert out[n_out:end] == sim.output_ids, (prompt, n_out, out[n_out:end], sim.output_ids)
             lp = torch.log_softmax(sim.logits.double(), dim=-1)
-            rows = torch.arange(len(want_plps), min(P, len(prompt) - 1))          # 还没报告过的提示词位置
+            rows = torch.arange(len(want_plps), max(len(want_plps), min(P, len(prompt) - 1)))   # 还没报告过的提示词位置
             want_plps += lp[rows, torch.tensor(prompt)[rows + 1]].tolist()
             want = lp[P - 1 + torch.arange(end - n_out), torch.tensor(sim.output_ids, dtype=torch.long)]
             torch.testing.assert_close(torch.tensor(lps[n_out:end], dtype=torch.float64), want, rtol=0, atol=atol)
         if prompt_logprobs is not None:
             torch.testing.assert_close(torch.tensor(plps, dtype=torch.float64),
                                        torch.tensor(want_plps, dtype=torch.float64), rtol=0, atol=atol)
-    assert compactions > 0
+    assert compactions > 0 or not must_evict
     return eng, results
 
 
@@ -311,7 +314,7 @@ def test_real_model_engine_equals_reference(real):
                        max_new_tokens=8)
         assert sum(chunks) == len(ids) and sim.num_compactions == 2
         c = compare(policy, ids, sim.output_ids, out, lambda h: sim.logits[:len(h)], MARGIN_TOL[torch.float32])
-        # h2o 的挑选余量（float64 的分数）在真实模型上可以小到 1e-5，引擎的 float32 分数在那里可能挑得不同：失败时一并报告
+        # h2o 的挑选余量在真实模型上可以很小，引擎的 float32 分数在那里可能挑得不同：失败时一并报告
         assert c.ok, f"{c.describe()}; reference selection margin {sim.selection_margin:.1e}"
         n = len(out) if c.equal else c.position
         lp = torch.log_softmax(sim.logits.double(), dim=-1)
