@@ -66,7 +66,7 @@ def snapkv_pooled(vote: torch.Tensor, window: int, pool: int) -> torch.Tensor:
 @dataclass
 class MaskSimCache:
     """common/kv_cache.py 的 KVCache 接口：存下每个 token 的（RoPE 之前的）K 与 V，attend 时按 kept 掩码。
-    kept / scores 在请求的整个生命里都在；begin() 给出下一次前向的 token 范围与位置。"""
+    K、V、kept 在请求的整个生命里都在（h2o 的累计分数在 simulate 里）；begin() 给出下一次前向的 token 范围。"""
     rope: torch.nn.Module
     num_layers: int
     num_kv_heads: int
