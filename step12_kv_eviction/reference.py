@@ -66,7 +66,7 @@ def snapkv_pooled(vote: torch.Tensor, window: int, pool: int) -> torch.Tensor:
 @dataclass
 class MaskSimCache:
     """common/kv_cache.py 的 KVCache 接口：存下每个 token 的（RoPE 之前的）K 与 V，attend 时按 kept 掩码。
-    kept / scores 在请求的整个生命里都在；begin() 给出下一次前向的 token 范围与位置。"""
+    K、V、kept 在请求的整个生命里都在（h2o 的累计分数在 simulate 里）；begin() 给出下一次前向的 token 范围。"""
     rope: torch.nn.Module
     num_layers: int
     num_kv_heads: int
@@ -155,7 +155,7 @@ class SimResult:
     kept_after: list[int]         # 每次前向（及其后的驱逐）之后缓存里的 token 数
     num_compactions: int          # 驱逐发生了几次
     kept: torch.Tensor            # 最后的 kept 掩码 (layers, H_kv, 全部 token 数)
-    selection_margin: float       # h2o / snapkv：每次挑选时"留下的最低分 − 扔掉的最高分"的最小值（看有没有近乎平局）
+    selection_margin: float       # h2o / snapkv：每次挑选的相对余量（select()）的最小值：看有没有近乎平局
 
     def prompt_logprobs(self, prompt_ids: Seq[int]) -> torch.Tensor:
         """提示词第 1.. 个 token 的 logprob (P − 1,)：引擎 prompt_logprobs 的 chosen 那一项。"""
@@ -240,9 +240,10 @@ def simulate(model, prompt_ids: Seq[int], *, policy: str = "full", budget: Optio
 
 
 def select(policy: str, n: int, budget: int, knobs: dict, scores: Optional[torch.Tensor]):
-    """一个 (层, 头) 的挑选 → (留下的下标, 余量)。余量 = 留下的最低分 − 扔掉的、分数比它低的最高分：很小时引擎
-    （float32 的分数）与这里（float64）可能挑得不同，测试据此区分"近乎平局"与 bug。分数完全相同（例如最大池化
-    复制出的同一个值）不算：两边都先留下标小的。"""
+    """一个 (层, 头) 的挑选 → (留下的下标, 相对余量)。相对余量 = (留下的最低分 − 扔掉的、分数比它低的最高分) ÷ 留下的
+    最低分：很小时引擎（float32 的分数）与这里（float64）可能挑得不同，测试据此区分"近乎平局"与 bug。用相对的：
+    概率很小的 token 之间差得再小，相对差也可以很大，float32 照样分得清。分数完全相同（例如最大池化复制出的同一个值）
+    不算：两边都先留下标小的。"""
     if policy == "window":
         return keep_window(n, budget), float("inf")
     if policy == "sinks":
@@ -259,4 +260,4 @@ def select(policy: str, n: int, budget: int, knobs: dict, scores: Optional[torch
         return keep, float("inf")
     lowest = scores[kept_old].min()
     below = scores[dropped][scores[dropped] < lowest]
-    return keep, float(lowest - below.max()) if len(below) else float("inf")
+    return keep, float((lowest - below.max()) / lowest) if len(below) else float("inf")
