@@ -57,7 +57,7 @@ def plot_blocks(path, runs: dict, block_size: int, bytes_per_token: float) -> No
     right.set_ylim(lo * block_size * bytes_per_token / 2**20, hi * block_size * bytes_per_token / 2**20)
     right.set_ylabel("MiB")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     ax.set_title("每次前向（及压缩）之后：驱逐的请求持有的块不再随长度增长", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
