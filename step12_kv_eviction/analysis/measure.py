@@ -23,6 +23,10 @@ class Measure:
         self.ch, self.s, self.p, self.text = ch, ch.s, ch.plan, text
         self.fig = ch.figures
 
+    def mml(self, tokens: int):
+        """比模型训练长度长的请求要 max_model_len（位置超出训练范围：只有完整运行的长文本是有意的）。"""
+        return tokens if tokens > self.ch.ctx else None
+
     def bound(self, st: Setting, new: int = 0) -> int:
         """设计给的每个请求的块数上界：预算 + 一块余量 − 1 + 一次前向的 token（snapkv 的 decode 不驱逐，加上生成的）。"""
         return pool_blocks(st, 10**9, self.ch.chunk, self.ch.bs, new) - 1
@@ -46,7 +50,8 @@ class Measure:
         M = min(p["sweep_tokens"], N)
         sweep = {}
         for st in map(parse, p["sweep"]):
-            e = ch.engine(st, num_blocks=pool_blocks(st, M, ch.chunk, ch.bs), prefix=False)
+            e = ch.engine(st, num_blocks=pool_blocks(st, M, ch.chunk, ch.bs), prefix=False,
+                          max_model_len=self.mml(M))
             run = sweep[st.label] = run_one(e, stream_request(self.text[:M], 0))
             ch.done(e)
             bound_ok &= run.peak_blocks <= self.bound(st)
@@ -139,7 +144,8 @@ class Measure:
             hits = {n: 0 for n in lens}
             for n in lens:
                 chunk = ch.chunk if chunked else n
-                e = ch.engine(st, num_blocks=pool_blocks(st, n + q + new, chunk, ch.bs, new), prefix=False, chunk=chunk)
+                e = ch.engine(st, num_blocks=pool_blocks(st, n + q + new, chunk, ch.bs, new), prefix=False, chunk=chunk,
+                              max_model_len=self.mml(n + q + new))
                 for c in passkey_set(s.tok, [n], p["passkey_depths"], after):
                     run = run_one(e, greedy_request(c.ids, new))
                     hits[n] += c.correct(s.tok.decode(run.output_ids))
@@ -165,12 +171,12 @@ class Measure:
         C, new = p["greedy_context"], p["greedy_new"]
         ids = self.text[:C]
         stage(f"\n[4] 贪心生成：长文本的前 {C} 个 token 之后各生成 {new} 个，与 full 第一次不同在哪 ...")
-        e = ch.engine(num_blocks=blocks_for(C + new, ch.bs) + 1)
+        e = ch.engine(num_blocks=blocks_for(C + new, ch.bs) + 1, max_model_len=self.mml(C + new))
         ref = run_one(e, greedy_request(ids, new)).output_ids
         ch.done(e)
         rows = []
         for st in map(parse, p["greedy"]):
-            e = ch.engine(st, num_blocks=pool_blocks(st, C + new, ch.chunk, ch.bs, new))
+            e = ch.engine(st, num_blocks=pool_blocks(st, C + new, ch.chunk, ch.bs, new), max_model_len=self.mml(C + new))
             got = run_one(e, greedy_request(ids, new)).output_ids
             ch.done(e)
             pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
@@ -192,7 +198,7 @@ class Measure:
         stage(f"\n[5] 固定的池子（{nb} 块 = 两个 {P} token 请求的 full 缓存）：{R} 个长请求（各 {P} + {new} token）一起来 ...")
         rows, res = [], {}
         for st in (Setting(), parse(p["conc_setting"])):
-            e = ch.engine(st, num_blocks=nb, max_batch_size=R, prefix=False)
+            e = ch.engine(st, num_blocks=nb, max_batch_size=R, prefix=False, max_model_len=self.mml(P + new))
             _, stats = e.generate(reqs)
             ch.done(e)
             res[st.policy] = stats
@@ -210,7 +216,8 @@ class Measure:
         stage(f"\n[5] decode 一步：{P} token 的上下文之后生成 {new} 个（每步中位数）...")
         rows, dec = [], {}
         for st in map(parse, p["decode_settings"]):
-            e = ch.engine(st, num_blocks=pool_blocks(st, P + new, ch.chunk, ch.bs, new), prefix=False)
+            e = ch.engine(st, num_blocks=pool_blocks(st, P + new, ch.chunk, ch.bs, new), prefix=False,
+                          max_model_len=self.mml(P + new))
             run = run_one(e, greedy_request(self.text[:P], new))
             ch.done(e)
             dec[st.label] = run.decode_step_s
