@@ -1,6 +1,6 @@
 """step12_kv_eviction：KV 驱逐——每个请求只留 --kv-budget 个 token 的 K/V（window / sinks / h2o / snapkv），多出来的块还回池子。
 
-    python step12_kv_eviction/run.py [--quick] [--json]                                    # 章节模式（chapter.py）
+    python step12_kv_eviction/run.py [--quick] [--json] [--plot PATH] [--plot-blocks PATH]  # 章节模式（chapter.py）
     python step12_kv_eviction/run.py --prompt "..." --kv-policy sinks --kv-budget 256
     python step12_kv_eviction/run.py --prompt "..." --kv-policy h2o --kv-budget 512 --kv-positions text
 
@@ -36,6 +36,8 @@ def make_parser() -> cli.Parser:
     p.set_defaults(spec_method=None)             # 没给时由 spec_method(args) 定
     groups["投机解码"].add_argument("--draft-model", default=None, metavar="DIR",
                                    help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
+    p.add_argument("--plot", default=None, help="章节模式：逐位置 NLL 的图存到这个路径（PNG）")
+    p.add_argument("--plot-blocks", default=None, help="章节模式：每个请求持有的 KV 块随已处理 token 的图存到这个路径（PNG）")
     return p
 
 

@@ -33,6 +33,11 @@ REQUIRED_FIGURES = {
     "step09_speculative": {"acceptance_rate", "mean_accepted_tokens_per_step", "forwards_per_token",
                            "speedup_vs_step08_batch1_grounded", "speedup_vs_step08_batch1_chat",
                            "speedup_vs_step08_batch8_grounded", "hf_prompt_lookup_speedup_batch1_grounded"},
+    "step12_kv_eviction": {"nll_window_512", "nll_sinks4_512_cachepos", "nll_sinks4_512_textpos", "nll_h2o_512",
+                           "nll_snapkv_512", "passkey_acc_snapkv_512", "passkey_acc_snapkv_512_asked_after",
+                           "top1_agreement_sinks4_512_cachepos", "nll_delta_h2o_512", "kv_bytes_ratio_sinks_vs_full",
+                           "concurrent_long_requests_sinks", "h2o_score_overhead_decode",
+                           "decode_step_ratio_vs_full_1k", "decode_step_ratio_under_budget_h2o_vs_step09"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}
@@ -46,7 +51,7 @@ EXPECTED_FAILURES = {
 @pytest.mark.parametrize("step", list(REQUIRED_FIGURES))
 def test_chapter_mode_quick_json(step, tiny_tok_dir, tmp_path):
     extra = ["--plot", str(tmp_path / "latency.png")] if step in ("step03_kvcache_single", "step06_prefix_cache",
-                                                                  "step07_chunked_prefill") else []
+                                                                  "step07_chunked_prefill", "step12_kv_eviction") else []
     r = run_py(step, "--quick", "--json", "--model", str(tiny_tok_dir), *extra, threads=1)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
