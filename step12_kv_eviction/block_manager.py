@@ -9,6 +9,10 @@
   空块用完才驱逐最久没用的）；一个块要么在 free_blocks，要么在 evictable，要么 ref ≥ 1。
 
 step07 加 enable_caching=False（--no-prefix-cache）：什么也不登记、什么也查不到，块就只是块（step05 的行为）。
+
+step12（KV 驱逐）：块表覆盖的是槽（seq.kv_len），不再是 token，按请求的块数都按槽算。压缩过的请求（num_evicted > 0）
+块里存的不再是一段从 0 开始的 token 前缀，cache_full_blocks 不再登记它；压缩前命中、登记的块照旧共享（压缩把
+留下的 K/V 拷进新块，旧块按引用计数还回来，登记过的进 evictable，内容不动）。
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -117,7 +121,7 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """前向之后：块表里新写满的块登记进缓存。前一块没登记上（重复的内容）时，链就此断开，后面的也不登记。"""
         bs, full = self.block_size, seq.num_computed_tokens // self.block_size
-        if not self.enable_caching:
+        if not self.enable_caching or seq.num_evicted:   # 压缩过：块里不是 token 前缀，谁也不该命中它
             return
         for i in range(seq.num_registered_blocks, full):   # full ≥ num_registered_blocks：已算的 token 只增不减
             parent = seq.block_table[i - 1] if i else None
@@ -143,28 +147,31 @@ class BlockManager:
         return True
 
     # ---- 按请求 ----
-    def can_allocate_seq(self, seq: Sequence, match: PrefixMatch) -> bool:
+    def can_allocate_seq(self, seq: Sequence, match: PrefixMatch, num_slots: Optional[int] = None) -> bool:
         """被抢占过的请求要重算 提示词 + 已生成的 token，所以按 num_tokens（而不只是提示词）算块；
-        命中的块若正在 evictable 里（没人用），取出来也要占空闲额度。"""
+        命中的块若正在 evictable 里（没人用），取出来也要占空闲额度。
+        step12：num_slots = 先只为前几个槽分块（驱逐时只分第一块 prefill 要写的，之后边算边加）；None = 全部 token。"""
         reclaimed = sum(self.ref_counts[b] == 0 for b in match.blocks)
-        return self.can_allocate(self.blocks_for(seq.num_tokens) - len(match.blocks) + reclaimed)
+        slots = seq.num_tokens if num_slots is None else num_slots
+        return self.can_allocate(self.blocks_for(slots) - len(match.blocks) + reclaimed)
 
-    def allocate_seq(self, seq: Sequence, match: PrefixMatch) -> None:
+    def allocate_seq(self, seq: Sequence, match: PrefixMatch, num_slots: Optional[int] = None) -> None:
         """命中的块共享（引用计数 +1，原来没人用的从 evictable 取出、不再参与驱逐），其余新分配；
-        请求从命中位置开始 prefill。"""
+        请求从命中位置开始 prefill。num_slots 同 can_allocate_seq。"""
         for b in match.blocks:
             if self.ref_counts[b] == 0:
                 del self.evictable[b]
             self.ref_counts[b] += 1
-        seq.block_table = match.blocks + self.allocate(self.blocks_for(seq.num_tokens) - len(match.blocks))
+        slots = seq.num_tokens if num_slots is None else num_slots
+        seq.block_table = match.blocks + self.allocate(self.blocks_for(slots) - len(match.blocks))
         seq.num_computed_tokens = len(match.blocks) * self.block_size
         seq.num_registered_blocks = len(match.blocks)
         if seq.num_cached_tokens is None:   # 只记第一次接纳：抢占后重算时再命中，不算提示词的缓存命中
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def needs_slot(self, seq: Sequence) -> bool:
-        """decode 要写入位置 num_tokens-1（上一步采样出的 token）：它落在块表之外时，要先加一块。"""
-        return seq.num_tokens > len(seq.block_table) * self.block_size
+        """decode 要写入位置 num_tokens-1（上一步采样出的 token），即槽 num_tokens-1-num_evicted：它落在块表之外时，要先加一块。"""
+        return seq.num_tokens - seq.num_evicted > len(seq.block_table) * self.block_size
 
     def append_slot(self, seq: Sequence) -> None:
         seq.block_table += self.allocate(1)
@@ -174,6 +181,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_evicted, seq.kv_scores = 0, None   # 重算时从头来过：策略一块一块地重新作用（与抢占前的缓存不同）
+
+    def can_replace(self, table: list[int], n: int) -> bool:
+        """step12 的压缩：先还掉 table、再分 n 个新块，够不够？只有引用计数为 1 的块（只有它自己用）还回来会变空闲；
+        与别人共享的块还了也还在别人手里。"""
+        return n <= self.num_free_blocks + sum(self.ref_counts[b] == 1 for b in table)
 
     def usage(self, running: list[Sequence]) -> tuple[int, int]:
         """运行集合为 KV 持有的槽、其中存着真实 token 的 K/V 的槽，按物理块算：几个请求共享的块只算一次，
@@ -181,6 +194,6 @@ class BlockManager:
         filled: dict[int, int] = {}   # 物理块 → 里面存着几个 token 的 K/V
         for seq in running:
             for i, b in enumerate(seq.block_table):
-                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                n = min(self.block_size, max(0, seq.kv_len - i * self.block_size))
                 filled[b] = max(filled.get(b, 0), n)
         return len(filled) * self.block_size, sum(filled.values())

@@ -1,5 +1,5 @@
-"""step09 引擎：分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill + 量化的池子 + 换出式抢占 + 投机解码，
-一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
+"""step12 引擎：step09 的引擎（分页 KV cache + 连续批处理 + 前缀缓存 + 分块 prefill + 量化的池子 + 换出式抢占 + 投机解码）
+加上 KV 驱逐，一步一步地驱动（与 vLLM 的 LLMEngine 同样的接口）。
 与 step03 逐 token 一致的道理（块表 + 按位置的掩码；每个请求自己的随机数发生器，被抢占后只重算 K/V）
 和每一步的记账（StepStats、每个请求的时刻）都同 step05 的引擎。
 
@@ -21,6 +21,15 @@ logprobs（第 11 章的服务器要的，不属于投机解码；这是服务�
 请求要了 logprobs 时，每个新 token 带上它在模型原始分布 log_softmax(logits) 里的 logprob 和最可能的 k 个
 （token_logprobs；投机的一步里每个接受的猜测和最后那个 token 各用自己那一行 verify 的 logits）；要了 prompt_logprobs
 时，plan 为它的提示词位置多排 logits 行（分块 prefill 的每一块各算各的），max_new_tokens 0 时 prefill 完就结束、不采样。
+
+step12 加的 KV 驱逐（kv_policy 不是 "full" 时；full 与 step09 逐位相同）：每个请求每层、每个 KV 头最多留 kv_budget 个
+token 的 K/V。每次前向之后（_evict），槽数到了 预算 + 一块 的请求被压缩到正好 预算 个槽：eviction.kept_slots 选出
+要留的槽，块管理器先收回它的整张旧块表、再分 blocks_for(预算) 个新块，kv_cache.compact 把留下的 K/V 拷进去——
+多出来的块真的回到池子里。多留一块的余量让压缩（和 cache 位置时的重新旋转）每 block_size 个 token 才做一次。
+snapkv 只在算了提示词 token 的前向之后压缩（prefill 末尾的观察窗口投票），decode 照常往后写。
+h2o 每次前向给它的全部 query 打分、snapkv 在要压缩的那一块给观察窗口打分（plan 的 score_queries，kv_cache.py）。
+新块分不到（块被别人共享、池子满）时这一次不压缩，下一次前向之后再试（num_compactions_skipped）。
+投机解码与量化的池子和驱逐不能同时开（EngineConfig.validate 说为什么）。
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +44,7 @@ from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
+from .eviction import kept_slots, rotation_deltas
 from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
 from .quant import KV_DTYPE_CHOICES, kv_format
@@ -257,8 +267,12 @@ class LLMEngine:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
+        self.kv_cache.cache_positions = config.kv_policy != "full" and config.positions == "cache"
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
-                                   on_preempt=self.proposer.free if self.proposer is not None else None)
+                                   on_preempt=self.proposer.free if self.proposer is not None else None,
+                                   evicting=config.kv_policy != "full")
+        self.num_compactions = 0                     # step12：压缩过几次
+        self.num_compactions_skipped = 0             # 到了该压缩的时候却分不到新块、推到下一次的次数
         self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}          # 还没结束的请求
         self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)   # 每一步一行，只留最近的（服务器一直跑）
@@ -282,8 +296,12 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> int:
         """检查请求（非法输入抛 UserError），放进等待队列，返回 request_id。"""
-        request.validate(self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
+        c = self.config
+        request.validate(c.max_model_len or self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
         need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
+        if c.kv_policy != "full":   # 驱逐时最多 预算 + 一块 − 1 个槽，加上一次前向写的；snapkv 的 decode 不驱逐
+            cap = c.kv_budget + c.block_size - 1 + c.max_num_batched_tokens
+            need = min(need, -(-(cap + (request.max_new_tokens if c.kv_policy == "snapkv" else 0)) // c.block_size))
         if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
             raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
                             f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
@@ -313,18 +331,79 @@ class LLMEngine:
         t0 = self.clock.now()
         self._propose()                                                      # 猜测也算在这一步的时间里
         batch = self.scheduler.schedule()
+        for seq in self.scheduler.running:
+            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens,           # 这次前向的地址信息
-                                 [seq.prompt_logits for seq in batch.seqs])
+                                 [seq.prompt_logits for seq in batch.seqs], self._score_queries(batch))
+        prefilled = [seq for seq in batch.seqs if seq.in_prefill]           # snapkv 只在算了提示词 token 之后压缩
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
         new = self._postprocess(batch, logits, fwd.logits_rows, fwd.prompt_rows)
         self._record(batch, fwd, self.clock.now() - t0, new)
         for o in new:
             if o.finished:                           # 记完这一步的账再还块：下一步就能接纳新请求
                 seq = self.seqs.pop(o.request_id)
+                o.kv_blocks, o.kv_blocks_peak = len(seq.block_table), seq.peak_blocks
                 self.scheduler.finish(seq, o.finish_reason)
                 if self.proposer is not None:
                     self.proposer.free(seq)
+        self._evict(prefilled)
         return outputs + new
+
+    def _must_compact(self, seq: Sequence, kv_len: int) -> bool:
+        """step12：槽数到了 预算 + 一块 就压缩（多一块的余量：压缩每 block_size 个 token 才做一次）。"""
+        c = self.config
+        return c.kv_policy != "full" and kv_len >= c.kv_budget + c.block_size
+
+    def _score_queries(self, batch: SchedulerOutput) -> Optional[list[int]]:
+        """step12：每个请求这一步让最后几个 query 打分。h2o：全部 query，每一步（分数从进缓存起一直累加）；
+        snapkv：只在这一块 prefill 之后要压缩时，最后 snapkv_window 个 query 投票（投票之前清零：每次压缩只看这一块）。"""
+        c = self.config
+        if c.kv_policy not in ("h2o", "snapkv"):
+            return None
+        out = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if c.kv_policy == "h2o":
+                out.append(n)
+            elif seq.in_prefill and self._must_compact(seq, seq.kv_len + n):
+                if seq.kv_scores is not None:
+                    seq.kv_scores.zero_()
+                out.append(c.obs_window)
+            else:
+                out.append(0)
+        return out
+
+    def _evict(self, prefilled: list[Sequence]) -> None:
+        """step12：每次前向之后，槽数到了 预算 + 一块 的运行中请求压缩到正好 预算 个槽（snapkv 只看这一步算了提示词的）。
+        先还掉整张旧块表、再分新块：旧块里登记过的前缀块进 evictable、内容不动，与别人共享的块还在别人手里，
+        新块引用计数都是 0——从不写别人的块。分不到就这次不压缩，下一次前向之后再试。"""
+        c, bm = self.config, self.block_manager
+        if c.kv_policy == "full":
+            return
+        candidates = prefilled if c.kv_policy == "snapkv" else self.scheduler.running
+        B = c.kv_budget
+        for seq in candidates:
+            if seq.is_finished or seq not in self.scheduler.running or not self._must_compact(seq, seq.kv_len):
+                continue
+            n = bm.blocks_for(B)
+            if not bm.can_replace(seq.block_table, n):
+                self.num_compactions_skipped += 1
+                continue
+            kv_len, L, H_kv = seq.kv_len, self.model.cfg.num_layers, self.model.cfg.num_kv_heads
+            recent = c.recent if c.kv_policy == "h2o" else c.obs_window
+            kept = kept_slots(c.kv_policy, kv_len, B, L, H_kv, sinks=c.sinks, recent=recent, scores=seq.kv_scores,
+                              pool_kernel=c.pool_kernel if c.kv_policy == "snapkv" else 1)   # (L, H_kv, B)
+            old = seq.block_table
+            bm.free(old)
+            seq.block_table = bm.allocate(n)
+            self.kv_cache.compact(old, seq.block_table, kept,
+                                  rotation_deltas(kept) if self.kv_cache.cache_positions else None)
+            if seq.kv_scores is not None:             # 分数跟着留下的槽走；之后的新槽从 0 开始
+                scores = torch.zeros(L, H_kv, n * c.block_size, device=seq.kv_scores.device)
+                scores[:, :, :B] = seq.kv_scores.gather(2, kept.to(seq.kv_scores.device))
+                seq.kv_scores = scores
+            seq.num_evicted += kv_len - B
+            seq.num_registered_blocks = 0
+            self.num_compactions += 1
 
     def _propose(self) -> None:
         """给每个在 decode 的请求要这一步的猜测，只要留得下的：至多 num_spec_tokens 个，也不超过 max_new_tokens 还剩的
@@ -369,10 +448,12 @@ class LLMEngine:
     def _end_early(self, seq: Sequence, reason: str, error: Optional[Exception] = None) -> None:
         """step() 之外结束一个请求（abort，或它自己的猜测出错："error"）：立刻还块，下一次 step() 报告它。"""
         del self.seqs[seq.request_id]
+        blocks = len(seq.block_table)
         self.scheduler.finish(seq, reason)
         if self.proposer is not None:
             self.proposer.free(seq)
-        self._aborted.append(RequestOutput(seq.request_id, [], True, reason, seq.num_cached_tokens or 0, error))
+        self._aborted.append(RequestOutput(seq.request_id, [], True, reason, seq.num_cached_tokens or 0, error,
+                                           kv_blocks=blocks, kv_blocks_peak=seq.peak_blocks))
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range],
                      prompt_rows: list[range]) -> list[RequestOutput]:

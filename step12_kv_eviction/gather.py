@@ -17,6 +17,9 @@ chapter.py（量化池子的整段 prefill）也直接用 plan_segment。
 step08：量化的池子（kv_cache.py 的说明）只能走这条路（C++ 内核只读模型 dtype 的池子）。写：新 token 的 K/V 先量化，
 码和 scale 各写进自己的槽；读：同样的 read_rows 一次 index_select 拷出码，再拷出对应的 scale，乘起来就是反量化后的
 (B, H_kv, S, D)。全新的 prefill 不读池子，但返回的也是"量化再读回"的 K/V。
+
+step12：KV 驱逐之后，token t 在槽 t − num_evicted（sequence.py）。写哪个槽、读哪几块、掩码都按槽号：槽 s 的 query
+只看槽号 ≤ s 的 key；RoPE 的位置（positions）另给——text 是原文位置，cache 是槽号（kv_cache.py）。
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +37,7 @@ class AttentionMetadata(KVCache):
     """一段（一个左填充的 (B, L) 批）的地址信息：step05/06 的一次前向。"""
     pool: torch.Tensor          # (layers, 2, num_blocks + 1, H_kv, block_size, D) 整个池子（视图，不复制）
     input_ids: torch.Tensor     # (B, L)  每行是该请求还没进缓存的 token，左填充
-    positions: torch.Tensor     # (B, L)  这些 token 的绝对位置；填充处为 0
+    positions: torch.Tensor     # (B, L)  这些 token 给 RoPE 的位置（原文位置或槽号，step12）；填充处为 0
     mask: torch.Tensor          # (B, 1, 1, L, S) True = 可以看。不读池子时 S = L（只看自己），否则 S = max_blocks·block_size
     token_index: torch.Tensor   # (N,)    真实 token 在展平的 B·L 里的下标（跳过填充）
     slot_mapping: torch.Tensor  # (N,)    第 n 个真实 token 的 K/V 写到池子的哪个槽
@@ -102,9 +105,9 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
             for seq, n in zip(seqs, num_new_tokens)]                          # 每行这次要算的 token（含猜测）
     L = max(len(t) for t in news)
     # 每行只用到这次要算的最后一个位置所在的块（一个提示词的块在接纳时一次分好，分块 prefill 的前几块用不到后面的块）
-    tables = [seq.block_table[:-(-(seq.num_computed_tokens + n) // bs)] for seq, n in zip(seqs, num_new_tokens)]
+    tables = [seq.block_table[:-(-(seq.kv_len + n) // bs)] for seq, n in zip(seqs, num_new_tokens)]
     max_blocks = max(map(len, tables))
-    computed = torch.tensor([seq.num_computed_tokens for seq in seqs])         # (B,)
+    computed = torch.tensor([seq.num_computed_tokens - seq.num_evicted for seq in seqs])   # (B,) 已在池子里的槽数
     n_new = torch.tensor([len(t) for t in news])                               # (B,)
     # 左填充：真实 token 靠右，last_only 取到的就是每行最后一个真实 token
     input_ids = torch.tensor([[PAD_ID] * (L - len(t)) + t for t in news])      # (B, L)
@@ -112,24 +115,26 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
     pad = L - n_new                                                            # (B,) 每行的填充数
     col = torch.arange(L)
     real = col[None, :] >= pad[:, None]                                        # (1, L) >= (B, 1) -> (B, L)
-    positions = torch.where(real, computed[:, None] + col[None, :] - pad[:, None], 0)   # (B, L)，填充处 0
-    slots = block_tables.gather(1, positions // bs) * bs + positions % bs      # (B, L) 逻辑位置 → 物理槽
+    slot_idx = torch.where(real, computed[:, None] + col[None, :] - pad[:, None], 0)   # (B, L) 槽号，填充处 0
+    shift = 0 if cache.cache_positions else torch.tensor([seq.num_evicted for seq in seqs])[:, None]   # (B, 1)
+    positions = torch.where(real, slot_idx + shift, 0)                        # (B, L) RoPE 的位置，填充处 0
+    slots = block_tables.gather(1, slot_idx // bs) * bs + slot_idx % bs       # (B, L) 槽号 → 物理槽
     token_index = real.flatten().nonzero().squeeze(1)                          # (N,)
     slot_mapping = slots.flatten()[token_index]                                # (N,)
 
     logits_index = torch.tensor([L - 1], device=dev)
     quant = dict(fmt=cache.fmt, scales=cache.scales, dtype=cache.dtype)
-    if not any(seq.num_computed_tokens for seq in seqs):
+    if not any(seq.kv_len for seq in seqs):
         # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
         mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
         return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                                  token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
                                  **quant)
     S = max_blocks * bs
-    # 按绝对位置的因果掩码：位置 p 的 query 只看位置 ≤ p 的 key。块表里还没写（或补齐出来）的槽，
-    # 位置都 > 该行任何真实 query 的位置，自然被遮住；填充的 query 位置为 0，只看 key 0，不会整行全遮。
+    # 按槽号的因果掩码：槽 s 的 query 只看槽号 ≤ s 的 key。块表里还没写（或补齐出来）的槽，
+    # 槽号都 > 该行任何真实 query 的槽号，自然被遮住；填充的 query 槽号为 0，只看 key 0，不会整行全遮。
     key_pos = torch.arange(S)
-    mask = key_pos[None, None, :] <= positions[:, :, None]                     # (1, 1, S) <= (B, L, 1) -> (B, L, S)
+    mask = key_pos[None, None, :] <= slot_idx[:, :, None]                      # (1, 1, S) <= (B, L, 1) -> (B, L, S)
     # 读的行号：池子一层看成 (2·(num_blocks+1)·H_kv, block_size·D)，(K/V, 物理块, 头) 在第 (kv·(num_blocks+1) + 块号)·H_kv + 头 行
     kv = torch.arange(2)[:, None, None, None]                                  # (2, 1, 1, 1)
     heads = torch.arange(H_kv)[None, None, :, None]                            # (1, 1, H_kv, 1)

@@ -50,16 +50,29 @@ step09：验证猜测。decode 中带着 k 个猜测的请求这一步算 k+1 �
 
 step09 还给服务器的 prompt logprobs 多排 logits 行（plan 的 prompt_logits）：要了它的请求，这一块里每个还要的
 提示词位置都算 logits（prompt_rows），只为这个请求、只在它的 prefill 里；别的请求照旧只算采样的那一行。
+
+step12：KV 驱逐。一个请求在池子里占的是槽 0..kv_len−1（sequence.py）：token t 写进槽 t − num_evicted，seq_lens 是
+槽数，内核一行不改——它本来就按槽号做因果（第 i 个 query 在槽 seq_len − q_len + i，看槽号不超过它的 key），
+留下的 key 按原文顺序排在前面，新 token 接在后面。RoPE 的位置另给：text 是原文位置 t（同 step09），cache 是
+写入时的槽号 t − num_evicted（StreamingLLM）。两件新事：
+
+  打分（h2o / snapkv）：内核从不写出注意力概率。要分数的请求（plan 的 score_queries），attend 写完新 K 之后按块表
+  把它全部槽的 K 再读一遍，用它最后几个 query 算 softmax(q·Kᵀ/√D)（同样的因果规则，float32），按 KV 组求和，
+  加进 seq.kv_scores——代价是每层多读一遍这个请求的 K、多算一遍分数（章节量了）。
+  压缩（compact）：把每层、每个头要留的槽（eviction.kept_slots）拷进新分到的块的槽 0..B−1；cache 位置时 key 顺便
+  转到新槽号（eviction.rerotate）。先拷出、再写入：新块可能正是刚还掉的旧块。
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from common.config import ModelConfig
 from common.kv_cache import KVCache
+from common.model import rope_inv_freq
 from step05_paged.paged_attention import kernel_available, paged_attention
 
+from .eviction import attention_scores, rerotate
 from .gather import AttentionMetadata, attend_segments, plan_segments
 from .quant import SCALE_DTYPE, KVFormat
 
@@ -75,6 +88,8 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.attention = num_blocks, block_size, attention
         self.fmt, self.dtype = fmt, dtype
         self.H_kv, self.D = cfg.num_kv_heads, cfg.head_dim
+        self.num_layers, self.inv_freq = cfg.num_layers, rope_inv_freq(cfg)   # step12：压缩时重新旋转 key 要用
+        self.cache_positions = False   # step12：True = RoPE 用槽号（kv_positions=cache），由引擎设定
         # 块内按头排 (H_kv, block_size, D)：同一个头、同一块的 block_size 个位置是一段连续内存，
         # 按 (请求, 头, 逻辑块) 的顺序把这些段拼起来，得到的正好是连续的 (B, H_kv, S, D)——与 step03 的缓存
         # 一样每个头一整块 S×D，注意力的矩阵乘顺序读。若按 (block_size, H_kv, D) 存，取回后还要 transpose，
@@ -103,14 +118,17 @@ class PagedKVCache:
         """池子实际占的字节（码 + scale；含从不分配的空块）。"""
         return sum(t.nbytes for t in self.tensors())
 
-    def plan(self, seqs, num_new_tokens: list[int], prompt_logits: Optional[list[range]] = None) -> "FlatAttentionMetadata":
+    def plan(self, seqs, num_new_tokens: list[int], prompt_logits: Optional[list[range]] = None,
+             score_queries: Optional[list[int]] = None) -> "FlatAttentionMetadata":
         """seqs[i] 这一步算 num_new_tokens[i] 个 token（从它的 num_computed_tokens 起），排成一行 (1, T)。
         只算 1 个的（decode，或 prefill 恰好只分到 1 个 token）排在行首，其余（prefill 的块、验证猜测的 k+1 个）
         依次接在后面（gather 读法按这个顺序切段）。算到最后一个 token 的请求要采样：logits_index 按 seqs 的顺序给出
         它的最后一个 token 在行里的下标（验证猜测的请求：最后 k+1 个），logits_rows[i] 是 seqs[i] 在模型返回的
         logits 里的行（不采样的为空）。prompt_logits[i]（Sequence.prompt_logits）：seqs[i] 还要 logits 的提示词位置，
         落在这一步的那几个排在它采样的行之前，prompt_rows[i] 是它们在 logits 里的行（按位置的顺序）。
-        调度器负责让块表覆盖到要算的最后一个位置；没覆盖到说明调度器有 bug，这里给出清楚的错误。"""
+        调度器负责让块表覆盖到要算的最后一个位置；没覆盖到说明调度器有 bug，这里给出清楚的错误。
+        step12：槽 = 位置 − num_evicted（块表、slot_mapping、seq_lens 都按槽）；score_queries[i] > 0：seqs[i] 最后这么多个
+        query 的注意力概率加进它的 kv_scores（打分，见文件开头）。"""
         bs, dev = self.block_size, self.pool.device
         order = [i for i, n in enumerate(num_new_tokens) if n == 1] + [i for i, n in enumerate(num_new_tokens) if n > 1]
         input_ids, positions, slots, tables, seq_lens, start = [], [], [], [], [], {}
@@ -120,17 +138,19 @@ class PagedKVCache:
             if not computed < end <= seq.num_tokens_with_spec:
                 raise RuntimeError(f"cannot compute {n} new tokens of a sequence with {computed} of "
                                    f"{seq.num_tokens_with_spec} tokens computed")
-            if end > len(seq.block_table) * bs:
+            first, last = computed - seq.num_evicted, end - seq.num_evicted   # 这次写的槽 first .. last − 1
+            if last > len(seq.block_table) * bs:
                 raise RuntimeError(f"block table of {len(seq.block_table)} blocks x {bs} slots does not cover "
-                                   f"position {end - 1}: the scheduler must allocate blocks first")
-            # 只用到这次要算的最后一个位置所在的块（一个提示词的块在接纳时一次分好，分块 prefill 的前几块用不到后面的块）
-            table = seq.block_table[:-(-end // bs)]
+                                   f"slot {last - 1}: the scheduler must allocate blocks first")
+            # 只用到这次要写的最后一个槽所在的块（一个提示词的块在接纳时一次分好，分块 prefill 的前几块用不到后面的块）
+            table = seq.block_table[:-(-last // bs)]
             start[i] = len(input_ids)                                  # 这个请求的 token 在行里从这里开始
             input_ids += (seq.token_ids + seq.spec_token_ids)[computed:end]        # 含猜测
-            positions += range(computed, end)                          # 每个 token 在它自己的请求里的位置
-            slots += [table[p // bs] * bs + p % bs for p in range(computed, end)]   # 逻辑位置 → 物理槽
+            # RoPE 的位置：原文位置（text），或写入时的槽号（cache）
+            positions += range(first, last) if self.cache_positions else range(computed, end)
+            slots += [table[s // bs] * bs + s % bs for s in range(first, last)]   # 槽 → 物理槽
             tables.append(table)
-            seq_lens.append(end)
+            seq_lens.append(last)
         width = max(map(len, tables))
         logits_index, logits_rows, prompt_rows = [], [], []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
@@ -152,7 +172,36 @@ class PagedKVCache:
             tensor(logits_index), logits_rows, prompt_rows=prompt_rows)
         if self.attention == "gather":   # 参考读法：按段 gather（gather.py）
             flat.segments = plan_segments(self, seqs, num_new_tokens)
+        for i, m in enumerate(score_queries or ()):
+            if m > 0:
+                seq, n = seqs[i], num_new_tokens[i]
+                S = seq.num_computed_tokens + n - seq.num_evicted              # 这次前向之后的槽数
+                if seq.kv_scores is None or seq.kv_scores.shape[2] < S:        # 容量跟着块表长
+                    grown = torch.zeros(self.num_layers, self.H_kv, len(seq.block_table) * bs, device=dev)
+                    if seq.kv_scores is not None:
+                        grown[:, :, :seq.kv_scores.shape[2]] = seq.kv_scores
+                    seq.kv_scores = grown
+                flat.scored.append(ScoreRequest(seq, start[i], n, min(m, n), S,
+                                                tensor(seq.block_table[:-(-S // bs)])))
         return flat
+
+    def compact(self, old_table: list[int], new_table: list[int], kept: torch.Tensor,
+                deltas: Optional[torch.Tensor] = None) -> None:
+        """step12：kept (layers, H_kv, B) 是旧块表里每层、每个头要留的槽（升序）→ 拷进新块表的槽 0..B−1。
+        deltas（同形状，cache 位置时）：每个 key 再转多少个位置（eviction.rerotate）；V 不转。"""
+        bs, dev = self.block_size, self.pool.device
+        old, B = torch.tensor(old_table, device=dev), kept.shape[-1]
+        kept = kept.to(dev)
+        src_block, src_off = old[kept // bs], kept % bs                       # 各 (layers, H_kv, B)
+        dst = torch.arange(B, device=dev)
+        dst_block, dst_off = torch.tensor(new_table, device=dev)[dst // bs], dst % bs   # 各 (B,)
+        heads = torch.arange(self.H_kv, device=dev)[:, None]                  # (H_kv, 1)：与 (H_kv, B) 的下标广播
+        for layer in range(self.num_layers):
+            t = self.pool[layer]                                              # (2, num_blocks + 1, H_kv, bs, D)
+            kv = t[:, src_block[layer], heads, src_off[layer]]                # 拷出 (2, H_kv, B, D)：每个头自己的槽
+            if deltas is not None:
+                kv[0] = rerotate(kv[0], deltas[layer].to(dev), self.inv_freq)
+            t[:, dst_block, heads, dst_off] = kv                              # 写进新块的槽 0..B−1
 
 
 @dataclass
@@ -171,6 +220,7 @@ class FlatAttentionMetadata(KVCache):
     logits_rows: list[range]      # 与 plan 的 seqs 一一对应：它在 logits（n 行）里的行；这一步不采样的为空
     segments: Optional[list[AttentionMetadata]] = None   # 只在 --attention gather 时有：按段读（gather.py）
     prompt_rows: Optional[list[range]] = None   # step09：与 seqs 一一对应，它这一步的提示词位置在 logits 里的行（prompt logprobs）
+    scored: list["ScoreRequest"] = field(default_factory=list)   # step12：这一步要打分的请求
     mask = None                   # paged 不用掩码；gather 的掩码在每一段上
 
     @property
@@ -181,12 +231,29 @@ class FlatAttentionMetadata(KVCache):
         """q (1, H, T, D)，k/v (1, H_kv, T, D) → (1, H, T, D)。paged：整行写进池子、一次内核调用；
         gather：每一段各自写入、读回、算注意力，再按原顺序拼回一行（gather.py）。"""
         if self.segments is not None:
-            return attend_segments(self.segments, layer_idx, q, k, v)
-        layer = self.pool[layer_idx]
-        bs = layer.shape[3]
-        block, offset = self.slot_mapping // bs, self.slot_mapping % bs           # (T,), (T,)
-        for kv, new in ((0, k), (1, v)):
-            layer[kv, block, :, offset] = new[0].transpose(0, 1)                 # (1, H_kv, T, D) -> (T, H_kv, D)
-        out = paged_attention(q[0].transpose(0, 1), layer[0], layer[1], self.block_tables, self.seq_lens,
-                              self.query_lens)                                     # (T, H, D)
-        return out.transpose(0, 1)[None]                                           # (T, H, D) -> (1, H, T, D)
+            out = attend_segments(self.segments, layer_idx, q, k, v)
+        else:
+            layer = self.pool[layer_idx]
+            bs = layer.shape[3]
+            block, offset = self.slot_mapping // bs, self.slot_mapping % bs       # (T,), (T,)
+            for kv, new in ((0, k), (1, v)):
+                layer[kv, block, :, offset] = new[0].transpose(0, 1)             # (1, H_kv, T, D) -> (T, H_kv, D)
+            out = paged_attention(q[0].transpose(0, 1), layer[0], layer[1], self.block_tables, self.seq_lens,
+                                  self.query_lens).transpose(0, 1)[None]           # (T, H, D) -> (1, H, T, D)
+        for r in self.scored:                  # step12：新 K 已经写进池子，再读一遍这个请求的全部 K 来打分
+            keys = self.pool[layer_idx, 0, r.blocks]                               # (nb, H_kv, bs, D)
+            keys = keys.transpose(0, 1).flatten(1, 2)[:, :r.num_slots]             # (H_kv, nb·bs, D) -> (H_kv, S, D)
+            qs = q[0, :, r.start:r.start + r.num_queries]                          # (H, n, D)
+            r.seq.kv_scores[layer_idx, :, :r.num_slots] += attention_scores(qs, keys, r.num_voters)
+        return out
+
+
+@dataclass
+class ScoreRequest:
+    """step12：一个要打分的请求在这次前向里的样子。"""
+    seq: object                   # 它的 Sequence（分数加进 seq.kv_scores）
+    start: int                    # 它的 query 在行里从哪开始
+    num_queries: int              # 它这一步有几个 query
+    num_voters: int               # 其中最后几个的概率算进分数（h2o：全部；snapkv：观察窗口）
+    num_slots: int                # 这次前向之后它有几个槽（S）
+    blocks: torch.Tensor          # (blocks_for(S),) 覆盖这些槽的物理块

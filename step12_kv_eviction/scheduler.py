@@ -14,6 +14,12 @@ step09 加的投机解码：decode 中带着 k 个猜测的请求这一步算 1 
 留着只是赌以后有人命中，而这些槽多半马上就用。
 被抢占的请求扔掉它的猜测（下一步重新猜），调度器调用 on_preempt（引擎给的是 Proposer.free：草稿模型为它存的
 KV 也还回去）。
+
+step12 的 KV 驱逐（evicting=True：策略不是 full）：块数都按槽（seq.kv_len）算。一个长提示词不再在接纳时一次分好
+全部的块——那样驱逐就白做了——接纳时只分第一块 prefill 要写的槽，之后每一块 prefill 与 decode 一样，算之前把块表
+补到覆盖它要写的槽（_grow），池子空了抢占最新的请求；拿到的块不够一整块 prefill 时这一块就少算几个 token。
+换出保留它的槽、num_evicted 和分数；重算把它们清零（block_manager.free_seq），重新 prefill 时策略一块一块地重新作用。
+evicting=False 时与 step09 逐行相同。
 """
 from collections import deque
 from dataclasses import dataclass
@@ -34,8 +40,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
-                 swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None):
+                 swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None,
+                 evicting: bool = False):
         self.block_manager = block_manager
+        self.evicting = evicting                              # step12：有驱逐策略时块边算边分（见文件开头）
         self.swap = swap                                      # None = --preempt recompute
         self.on_preempt = on_preempt                          # 请求被抢占时调用（引擎：提议者丢掉为它存的状态）
         self.max_batch_size = max_batch_size                  # 运行集合最多几个请求（= decode 的批大小上限）
@@ -51,7 +59,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        preempted = self._grow_for_decode()
+        preempted = self._grow()
         seqs = [seq for seq in self.running if not seq.in_prefill]      # 1) decode：各 1 个 token + 猜测
         budget = self.max_num_batched_tokens - len(seqs)
         for seq in seqs:
@@ -60,9 +68,11 @@ class Scheduler:
         num_decode = sum(num_new)
         for seq in self.running:                                        # 2) 还没 prefill 完的，按进入的先后
             if seq.in_prefill and budget > 0:
-                seqs.append(seq)
-                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
-                budget -= num_new[-1]
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._room(seq))
+                if n > 0:                                               # 驱逐时：块表只覆盖到 _grow 分到的槽
+                    seqs.append(seq)
+                    num_new.append(n)
+                    budget -= n
         # 3) 接纳新请求。这一步抢占过就不接：刚腾出来的块正是被抢占的请求要的，接了新请求它下一步又会被抢占
         if budget > 0 and not preempted:
             for seq in self._admit(budget):
@@ -70,6 +80,17 @@ class Scheduler:
                 num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
                 budget -= num_new[-1]
         return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
+
+    def _room(self, seq: Sequence) -> int:
+        """块表里还有几个空槽可写（step12 驱逐时 prefill 的一块不能超过它；不驱逐时块表早已覆盖全部 token）。"""
+        if not self.evicting:
+            return seq.num_tokens - seq.num_computed_tokens
+        return len(seq.block_table) * self.block_manager.block_size - seq.kv_len
+
+    def _slots_for(self, seq: Sequence, budget: int) -> int:
+        """接纳 / 换入时块表要覆盖的槽：不驱逐时是全部 token（step09）；驱逐时只到这一步要算的那块为止。"""
+        rest = seq.num_tokens - seq.num_computed_tokens
+        return seq.kv_len + (min(rest, budget) if self.evicting else rest)
 
     def _fit_spec(self, seq: Sequence, budget: int) -> int:
         """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上
@@ -89,7 +110,7 @@ class Scheduler:
         batch, bm = [], self.block_manager
         while self.swapped and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.swapped[0]
-            need = bm.blocks_for(seq.num_tokens)
+            need = bm.blocks_for(self._slots_for(seq, budget))
             if not bm.can_allocate(need):
                 break
             seq.block_table = bm.allocate(need)
@@ -109,9 +130,12 @@ class Scheduler:
             match = self.block_manager.match_prefix(seq)
             if match.next_key is not None and match.next_key in computing:
                 break  # 前面有人正要算同一块：等下一步直接命中
-            if not self.block_manager.can_allocate_seq(seq, match):
+            # 驱逐时只为第一块 prefill 分块：命中的前缀之后、这一步算得了的那些 token
+            hit = len(match.blocks) * self.block_manager.block_size
+            slots = hit + min(seq.num_tokens - hit, budget) if self.evicting else None
+            if not self.block_manager.can_allocate_seq(seq, match, slots):
                 break  # 不跳过队头去接后面的小请求：保持先来先服务，也不会饿死长请求
-            self.block_manager.allocate_seq(seq, match)   # 块按整段 token 一次分好：prefill 到一半不会缺块
+            self.block_manager.allocate_seq(seq, match, slots)   # 不驱逐时块按整段 token 一次分好：prefill 到一半不会缺块
             budget -= seq.num_tokens - seq.num_computed_tokens
             if match.next_key is not None:
                 computing.add(match.next_key)
@@ -121,12 +145,30 @@ class Scheduler:
             batch.append(seq)
         return batch
 
-    def _grow_for_decode(self) -> bool:
+    def _grow(self) -> bool:
         """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。
+        step12 驱逐时，prefill 到一半的请求也一样：按 schedule 会给它的 token 数（同样的预算、同样的顺序）补块，
+        空闲的块不够时先拿能拿到的（这一块少算几个 token），一个空槽也没有、池子又空了才抢占。
         返回这一步有没有抢占。"""
         bm, i, preempted = self.block_manager, 0, False
+        budget = self.max_num_batched_tokens - sum(not seq.in_prefill for seq in self.running)
         while i < len(self.running):  # 从最老的开始，保证老请求先拿到块
             seq = self.running[i]
+            if seq.in_prefill:
+                if self.evicting and budget > 0:
+                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    budget -= n
+                    need = bm.blocks_for(seq.kv_len + n) - len(seq.block_table)
+                    while need > 0 and self._room(seq) == 0 and not bm.can_allocate(1):
+                        victim = self.running[-1]
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is seq:
+                            return True
+                    if need > 0:
+                        seq.block_table += bm.allocate(min(need, bm.num_free_blocks))
+                i += 1
+                continue
             while bm.needs_slot(seq) and not bm.can_allocate(1):
                 victim = self.running[-1]     # 池子空了：抢占最新的请求
                 self._preempt(victim)
@@ -144,11 +186,11 @@ class Scheduler:
         seq.trim_spec(0)              # 猜测作废：回来以后重新猜
         if self.on_preempt is not None:
             self.on_preempt(seq)
-        n = self.block_manager.blocks_for(seq.num_computed_tokens)   # 存着已算好 token 的块（最后一块可能没写满）
+        n = self.block_manager.blocks_for(seq.kv_len)   # 存着已算好的槽的块（最后一块可能没写满）
         if self.swap is not None and n > 0 and self.swap.can_swap_out(n):
-            seq.swap_handle = self.swap.swap_out(seq.block_table[:n], seq.num_computed_tokens)   # 先拷走，再还块
+            seq.swap_handle = self.swap.swap_out(seq.block_table[:n], seq.kv_len)   # 先拷走，再还块
             self.running.remove(seq)
-            self.block_manager.free(seq.block_table)   # num_computed_tokens 不清零：K/V 还在，只是在第二层
+            self.block_manager.free(seq.block_table)   # num_computed_tokens、num_evicted、分数不清零：K/V 还在，只是在第二层
             seq.block_table = []
             seq.status = SequenceStatus.SWAPPED
             seq.num_preemptions += 1

@@ -6,6 +6,11 @@ Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生�
 猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来；spec_* 另几项是按请求的接受率账。
 logprobs（服务器要的，docs/11）：RequestOutput 带着每个新 token 的 Logprob；请求要了 prompt_logprobs 时，
 提示词各位置的 Logprob 跨分块 prefill 攒在 Sequence.prompt_logprobs 里，prefill 算完的那一步一次交出去。
+
+step12 加的 KV 驱逐：num_evicted 个 token 的 K/V 已经离开池子（token 本身还在 token_ids 里）。池子里存的不再是
+"前 num_computed_tokens 个 token"，而是 kv_len 个槽：最后一次压缩之后算的 token t 在槽 t − num_evicted，块表覆盖的是
+槽（槽 s 在 block_table[s // bs] 的第 s % bs 个），块数都按槽算。kv_scores 是 h2o / snapkv 给每个槽打的分；
+peak_blocks 是它一生中块表最长的时候，结束时连同当时的块数报告在 RequestOutput 里。
 """
 import enum
 from dataclasses import dataclass, field
@@ -44,6 +49,9 @@ class RequestOutput:
     logprobs: Optional[list[Logprob]] = None   # 请求要了 logprobs 时：与 new_token_ids 一一对应
     # 请求要了 prompt_logprobs 时，只在 prefill 算完的那一步给一次：提示词每个 token 一项，第 0 个没有前文，是 None
     prompt_logprobs: Optional[list[Optional[Logprob]]] = None
+    # step12：只在结束的那一项给：结束时块表有几块、一生中最多几块（驱逐时后者也不随 token 数增长）
+    kv_blocks: Optional[int] = None
+    kv_blocks_peak: Optional[int] = None
 
 
 @dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两个（`in`、list.remove 按身份比较）
@@ -75,6 +83,10 @@ class Sequence:
     spec_recent: list[float] = field(default_factory=list)   # 最近几次验证各自的接受率（按请求关掉投机用）
     spec_paused_steps: int = 0    # > 0：接受率太低，这么多步里不猜（engine.py 的 SPEC_* 常数）
     prompt_logprobs: list[Logprob] = field(default_factory=list)   # 提示词第 1、2…… 个 token 的，按位置攒（prompt_logits）
+    # step12：KV 驱逐
+    num_evicted: int = 0          # 多少个 token 的 K/V 已经离开池子（它们还在 token_ids 里）
+    kv_scores: Optional[torch.Tensor] = None   # (layers, H_kv, 容量) float32：h2o 的累计注意力 / snapkv 的投票，按槽
+    peak_blocks: int = 0          # 块表最长时有几块
 
     def __post_init__(self):
         self.num_prefill_tokens = len(self.request.prompt_ids)
@@ -93,6 +105,11 @@ class Sequence:
         if self.request.prompt_logprobs is None:
             return range(0)
         return range(len(self.prompt_logprobs), len(self.request.prompt_ids) - 1)
+
+    @property
+    def kv_len(self) -> int:
+        """step12：池子里存着这个请求几个槽的 K/V（没驱逐过时就是 num_computed_tokens）。"""
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_tokens(self) -> int:
