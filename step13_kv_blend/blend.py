@@ -165,6 +165,42 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
     return BlendResult(kv, selected.cpu(), logits, probe, m)
 
 
+# ---- 从块缓存拼出一个请求的复用 K/V ----
+@torch.inference_mode()
+def reuse_chunks(model, store, token_ids: list[int], chunks: list[tuple[int, int]], mode: str, n: int):
+    """提示词的前 n 个 token 里，各段的 K/V：块缓存里有就拿（acquire），没有就单独算一遍（位置 0..）、存进去
+    （池子腾不出块就不存，照样用）。concat：原样放到段的位置；reuse / blend：K 再转 Δ = start（V 不变）。
+    返回 (kv (layers, 2, H_kv, n, D)，reused (n,) bool，持有的段（用完要 store.release），单独算了几个 token)。"""
+    cfg, dev = model.cfg, model.device
+    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim, device=dev, dtype=model.dtype)
+    reused = torch.zeros(n, dtype=torch.bool)
+    held, computed = [], 0
+    try:
+        for start, end in chunks:
+            if start >= n:
+                break
+            ids = token_ids[start:end]                # 整段查、整段存（段的 key 是它全部的 token）
+            entry = store.lookup(ids)
+            if entry is None:
+                c = chunk_kv(model, ids)                                      # (layers, 2, H_kv, len, D)
+                computed += len(ids)
+                entry = store.put(ids, c)
+            else:
+                c = store.read(entry)
+            if entry is not None:
+                held.append(entry)
+            m = min(end, n) - start                   # 最后一个提示词 token 落在段里时，只用到它之前
+            c = c[:, :, :, :m]
+            if mode != "concat":
+                c = torch.stack((rerotate(c[:, 0], start, model), c[:, 1]), dim=1)
+            kv[:, :, :, start:start + m], reused[start:start + m] = c, True
+    except BaseException:
+        for e in held:
+            store.release(e)
+        raise
+    return kv, reused, held, computed
+
+
 # ---- 段的标记 ----
 def check_chunks(chunks, num_tokens: int, field: str = "chunks") -> list[tuple[int, int]]:
     """chunks：提示词里各段的 [start, end)（token 下标），按位置排好、互不重叠、非空、都在提示词之内。

@@ -206,3 +206,107 @@ def test_blend_refuses_a_one_layer_model(tmp_path):
         check_model(model)
     with pytest.raises(UserError, match="kv-dtype"):
         check_model(load_model(make_tiny_model_dir(tmp_path / "b"), "cpu", torch.float32), "int8")
+
+
+# ---- 引擎 ----
+from step04_static_batching.request import Request  # noqa: E402
+from step12_kv_eviction import engine as step12  # noqa: E402
+from step13_kv_blend import engine as step13  # noqa: E402
+
+
+def rag_requests(vocab, n_docs=4, doc_len=(9, 23), q_len=6, n_req=3, seed=3, max_new=8):
+    """共享同一组"文档"、顺序各不相同的几个请求：token id、各自的段、问题。"""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, vocab, (int(torch.randint(*doc_len, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n_docs)]
+    reqs, marks = [], []
+    for r in range(n_req):
+        order = torch.randperm(n_docs, generator=g).tolist()[:3]
+        ids, chunks = [], []
+        for d in order:
+            chunks.append((len(ids), len(ids) + len(docs[d])))
+            ids += docs[d]
+        ids += torch.randint(2, vocab, (q_len,), generator=g).tolist()
+        reqs.append(Request(ids, max_new, ignore_eos=True))
+        marks.append(chunks)
+    return reqs, marks
+
+
+def run13(model, reqs, marks, **cfg):
+    eng = step13.LLMEngine(model, step13.EngineConfig(**{**dict(num_blocks=64, block_size=4,
+                                                               max_num_batched_tokens=32), **cfg}))
+    return eng, eng.generate(reqs, marks).outputs
+
+
+def all_blocks_back(eng):
+    bm = eng.block_manager
+    assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
+
+
+def test_engine_none_and_prefix_equal_step12(tiny):
+    reqs, marks = rag_requests(tiny.cfg.vocab_size)
+    ref = step12.LLMEngine(tiny.model, step12.EngineConfig(64, 4, max_num_batched_tokens=32)).generate(reqs).outputs
+    for mode in ("none", "prefix"):
+        eng, out = run13(tiny.model, reqs, marks, blend=mode)
+        assert out == ref, mode
+        assert len(eng.chunk_store) == 0
+    eng, out = run13(tiny.model, reqs, None, blend="blend")      # 没标段的请求：照 step12
+    assert out == ref and len(eng.chunk_store) == 0
+
+
+@one_arch
+def test_engine_blend_ends(tiny):
+    """引擎里：r = 1 与完整 prefill 的贪心 token 相同，r = 0 与 reuse 相同；段存一次、之后命中；块全部还回来，
+    拼出来的 K/V 没有登记进前缀缓存。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size)
+    _, full = run13(tiny.model, reqs, marks, blend="none")
+    eng, r1 = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=1.0)
+    assert r1 == full
+    assert eng.chunk_store.stored == 4 and eng.chunk_store.hits == 9 - 4     # 3 个请求 × 3 段，4 篇不同的文档
+    all_blocks_back(eng)
+    assert all(r.key not in eng.block_manager.key_to_block or eng.block_manager.cached[b] is r
+               for e in eng.chunk_store.entries.values() for b, r in zip(e.blocks, e.records))
+    prefix_blocks = [b for b, r in eng.block_manager.cached.items()
+                     if all(r is not x for e in eng.chunk_store.entries.values() for x in e.records)]
+    assert prefix_blocks == []                                       # 拼出来的请求一块也没登记进前缀缓存
+    _, reuse = run13(tiny.model, reqs, marks, blend="reuse")
+    _, r0 = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=0.0)
+    assert r0 == reuse
+    _, concat = run13(tiny.model, reqs, marks, blend="concat")
+    assert concat != full
+
+
+@one_arch
+def test_engine_chunk_store_under_memory_pressure(tiny):
+    """池子小：存的段被请求要的块挤掉（LRU），请求照样跑完，块一个不少地还回来。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_docs=6, n_req=6, max_new=4)
+    _, full = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=1.0)
+    eng, out = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=1.0, num_blocks=24, max_batch_size=2)
+    assert out == full
+    assert eng.block_manager.num_evictions > 0
+    all_blocks_back(eng)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(blend="blend", kv_policy="window", kv_budget=16), "--blend blend cannot be combined with --kv-policy window"),
+    (dict(blend="reuse", recompute_ratio=0.3), "--recompute-ratio is only used with --blend blend"),
+    (dict(blend="blend", recompute_ratio=1.5), "recompute_ratio must be in"),
+    (dict(blend="prefix", enable_prefix_caching=False), "--blend prefix needs the prefix cache"),
+    (dict(blend="concat", kv_dtype="int8"), "--blend concat needs the model's dtype"),
+    (dict(blend="mix"), "unknown --blend"),
+])
+def test_engine_config_errors(cfg, match):
+    with pytest.raises(UserError, match=match):
+        step13.EngineConfig(64, 4, **cfg).validate()
+
+
+@one_arch
+def test_engine_bad_chunk_marks(tiny):
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, blend="blend"))
+    with pytest.raises(UserError, match=r"chunks\[1\].*overlap"):
+        eng.add_request(Request(list(range(2, 20)), 4), [(0, 8), (6, 12)])
+    with pytest.raises(UserError, match=r"chunks\[0\].*longer than the prompt"):
+        eng.add_request(Request(list(range(2, 20)), 4), [(0, 30)])
+    with pytest.raises(UserError, match="prompt_logprobs"):
+        eng.add_request(Request(list(range(2, 20)), 4, prompt_logprobs=1), [(0, 8)])
+    assert not eng.has_unfinished_requests()
