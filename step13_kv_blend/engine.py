@@ -289,6 +289,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[L
 class GenerateOutput(NamedTuple):
     outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
     stats: EngineStats
+    reused_tokens: tuple[int, ...] = ()       # step13：每个请求的提示词里 K/V 来自块缓存、没重算的 token 数
+    recomputed_tokens: tuple[int, ...] = ()   # step13：段里被 blend 选中重算的 token 数
 
 
 class LLMEngine:
@@ -640,4 +642,5 @@ class LLMEngine:
                 self.abort(i)                        # 已经结束的请求 abort 什么也不做
             self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
         steps = last_steps(self.step_stats, self.num_steps - first_step)   # 这次运行的每一步
-        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0))
+        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0),
+                              tuple(s.num_reused_tokens for s in seqs), tuple(s.num_recomputed_tokens for s in seqs))

@@ -310,3 +310,42 @@ def test_engine_bad_chunk_marks(tiny):
     with pytest.raises(UserError, match="prompt_logprobs"):
         eng.add_request(Request(list(range(2, 20)), 4, prompt_logprobs=1), [(0, 8)])
     assert not eng.has_unfinished_requests()
+
+
+# ---- run.py ----
+def test_run_py_generation_modes(tiny_tok_dir):
+    import json
+
+    from conftest import run_py
+    base = ["--model", str(tiny_tok_dir), "--doc", "Freedonia's capital is Fredville.\n",
+            "--doc", "Sylvania exports cheese and tin.\n", "--prompt", "What does Sylvania export?",
+            "--prompt", "Name the capital.", "--rotate-docs", "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    res = {}
+    for mode in (["none"], ["prefix"], ["blend", "--recompute-ratio", "1"], ["reuse"]):
+        r = run_py("step13_kv_blend", *base, "--blend", *mode)
+        assert r.returncode == 0, r.stderr[-2000:]
+        res[mode[0]] = json.loads(r.stdout.strip().splitlines()[-1])
+    outs = {m: [x["output_ids"] for x in j["results"]] for m, j in res.items()}
+    assert outs["none"] == outs["prefix"] == outs["blend"]
+    b = res["blend"]["results"]
+    lens = [[e - s for s, e in x["chunks"]] for x in b]
+    assert b[0]["chunks"][0][0] == 0 and lens[0] == lens[1][::-1]      # --rotate-docs：第二个提示词的文档顺序反过来
+    assert res["reuse"]["stats"]["chunks_stored"] == 2 and res["reuse"]["stats"]["chunk_hits"] == 2
+    assert all(x["reused_tokens"] > 0 and x["recomputed_tokens"] == 0 for x in res["reuse"]["results"])
+    assert all(x["reused_tokens"] == 0 and x["recomputed_tokens"] > 0 for x in b)   # r = 1：段里全部重算
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--doc", "a", "--blend", "blend", "--kv-policy", "window", "--kv-budget", "32", "--spec-method", "none"], "--blend blend cannot be combined"),
+    (["--doc", "a", "--blend", "blend", "--recompute-ratio", "2"], "recompute_ratio must be in"),
+    (["--doc", "a", "--recompute-ratio", "0.5"], "--recompute-ratio is only used with --blend blend"),
+    (["--doc", "a", "--chunk-sep", "#"], "either with --doc or with --chunk-sep"),
+    (["--chunk-sep", "#"], "must split it into non-empty chunks"),
+    (["--doc", "a", "--blend", "reuse", "--no-chunked-prefill"], "drop --no-chunked-prefill"),
+])
+def test_run_py_errors(tiny_tok_dir, capsys, extra, match):
+    from conftest import cli_error
+
+    import step13_kv_blend.run as run
+    line = cli_error(run, ["--model", str(tiny_tok_dir), "--prompt", "q?", *extra], capsys)
+    assert match in line
