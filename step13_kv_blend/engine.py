@@ -286,11 +286,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[L
     return [Logprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
 
 
+@dataclass
+class EvictionStats(EngineStats):
+    """step12：EngineStats 加上每个请求的 KV 块数（顺序同 requests）：结束时块表有几块、一生中最多几块。"""
+    kv_blocks: list[int] = field(default_factory=list)
+    kv_blocks_peak: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BlendStats(EvictionStats):
+    """step13：再加上每个请求的提示词里 K/V 来自块缓存、没重算的 token 数，和段里被 blend 选中重算的 token 数。"""
+    reused_tokens: list[int] = field(default_factory=list)
+    recomputed_tokens: list[int] = field(default_factory=list)
+
+
 class GenerateOutput(NamedTuple):
     outputs: list[list[int]]   # 每个请求的新 token，顺序与 requests 相同
-    stats: EngineStats
-    reused_tokens: tuple[int, ...] = ()       # step13：每个请求的提示词里 K/V 来自块缓存、没重算的 token 数
-    recomputed_tokens: tuple[int, ...] = ()   # step13：段里被 blend 选中重算的 token 数
+    stats: "BlendStats"
 
 
 class LLMEngine:
@@ -628,7 +640,7 @@ class LLMEngine:
     def generate(self, requests: list[Request], chunks: Optional[list] = None) -> GenerateOutput:
         """用连续批处理跑完全部请求（都在此刻到达）。先检查全部请求，任何一个不合法都在开始生成之前报告；
         中途出错（包括 Ctrl-C）时把这些请求全部 abort，块一个不少地还回去。step13：chunks[i] 是第 i 个请求的段（或 None）。"""
-        seqs, first_step, t0 = [], self.num_steps, self.clock.now()
+        seqs, first_step, t0, end_blocks = [], self.num_steps, self.clock.now(), {}
         try:
             for i, r in enumerate(requests):
                 seqs.append(self.seqs[self.add_request(r, chunks[i] if chunks is not None else None)])
@@ -636,11 +648,16 @@ class LLMEngine:
                 for o in self.step():
                     if o.error is not None:              # 一次性跑完的调用者：一个请求失败就是这次调用失败
                         raise o.error
+                    if o.finished:
+                        end_blocks[o.request_id] = o.kv_blocks
         finally:
             ids = {seq.request_id for seq in seqs}
             for i in ids:
                 self.abort(i)                        # 已经结束的请求 abort 什么也不做
             self._aborted = [o for o in self._aborted if o.request_id not in ids]   # 自己的收尾，不留给下一次 step()
         steps = last_steps(self.step_stats, self.num_steps - first_step)   # 这次运行的每一步
-        return GenerateOutput([s.output_ids for s in seqs], collect_stats(seqs, steps, self.clock.now() - t0),
-                              tuple(s.num_reused_tokens for s in seqs), tuple(s.num_recomputed_tokens for s in seqs))
+        stats = collect_stats(seqs, steps, self.clock.now() - t0)
+        return GenerateOutput([s.output_ids for s in seqs], BlendStats(
+            **vars(stats), kv_blocks=[end_blocks.get(s.request_id, 0) for s in seqs],
+            kv_blocks_peak=[s.peak_blocks for s in seqs], reused_tokens=[s.num_reused_tokens for s in seqs],
+            recomputed_tokens=[s.num_recomputed_tokens for s in seqs]))

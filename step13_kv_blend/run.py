@@ -30,7 +30,6 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step13_kv_blend import engine as step13  # noqa: E402
-from step13_kv_blend.blend import BLEND_MODES  # noqa: E402
 
 CHAT_SLOT = "\x00CHUNKS\x00"   # 对话模板里"用户消息"的位置：模板在它前后的部分各自分词
 
@@ -58,10 +57,12 @@ def make_parser() -> cli.Parser:
 
 
 def spec_method(args) -> str:
-    """没给 --spec-method：有 --draft-model 就是 draft，--no-chunked-prefill（step06 的引擎）时不猜，否则 ngram。"""
+    """没给 --spec-method：有 --draft-model 就是 draft；step06 的引擎或有驱逐策略时不猜；否则 ngram（同 step12）。"""
     if args.spec_method is not None:
         return args.spec_method
-    return "draft" if args.draft_model else "none" if args.no_chunked_prefill else "ngram"
+    if args.draft_model:
+        return "draft"
+    return "none" if args.no_chunked_prefill or args.kv_policy != "full" else "ngram"
 
 
 def check_args(args) -> None:
@@ -69,13 +70,15 @@ def check_args(args) -> None:
     if not args.no_chunked_prefill and args.max_num_batched_tokens < args.max_batch_size:
         raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
                         f"--max-batch-size ({args.max_batch_size})")
-    if args.no_chunked_prefill and (args.preempt == "swap" or args.kv_dtype is not None or args.kv_policy != "full"
-                                    or args.blend in BLEND_MODES):
-        raise UserError("--kv-dtype, --preempt swap, --kv-policy and --blend concat/reuse/blend need this step's "
-                        "engine (drop --no-chunked-prefill)")
+    if args.no_chunked_prefill and (args.preempt == "swap" or args.kv_dtype is not None):
+        raise UserError("--kv-dtype and --preempt swap need step08's engine (drop --no-chunked-prefill)")
     method = spec_method(args)
     if args.no_chunked_prefill and method != "none":
         raise UserError("speculative decoding needs step09's engine (drop --no-chunked-prefill or use --spec-method none)")
+    if args.no_chunked_prefill and (args.kv_policy != "full" or args.max_model_len is not None):
+        raise UserError("--kv-policy and --max-model-len need step12's engine (drop --no-chunked-prefill)")
+    if args.no_chunked_prefill and args.blend != "none":
+        raise UserError(f"--blend {args.blend} needs step13's engine (drop --no-chunked-prefill)")
     if method == "draft" and not args.draft_model:
         raise UserError("--spec-method draft needs --draft-model DIR")
     if args.draft_model and method != "draft":
@@ -90,7 +93,8 @@ def check_args(args) -> None:
         raise UserError("--rotate-docs needs --doc")
     if (args.doc is not None or args.chunk_sep is not None) and args.prompt is None:
         raise UserError("--doc / --chunk-sep mark chunks of --prompt: give --prompt")
-    config_for(args, 1, args.max_batch_size, args.max_num_batched_tokens).validate()   # --blend 与其他参数的组合
+    if not args.no_chunked_prefill:   # EngineConfig.validate 查的那些（--blend 与其他参数的组合），块数先随便给一个
+        config_for(args, args.num_blocks or 1, args.max_batch_size, args.max_num_batched_tokens).validate()
 
 
 def config_for(args, num_blocks: int, max_batch_size: int, budget: int) -> step13.EngineConfig:
@@ -153,11 +157,11 @@ def prompts_with_chunks(args, s: cli.Session) -> tuple[list[list[int]], list]:
                                 "non-empty chunks followed by a non-empty question")
             ids, chunks = build_prompt(s, parts[:-1], parts[-1], args.chat)
         else:
-            ids, chunks = s.encode(p, args.chat, args.max_new_tokens), None
+            ids, chunks = s.tok.encode(p, args.chat), None
         ctx = args.max_model_len or s.cfg.max_position_embeddings
         if len(ids) + args.max_new_tokens > ctx:
-            raise UserError(f"prompt {i} has {len(ids)} tokens with its chunks; with --max-new-tokens "
-                            f"{args.max_new_tokens} that exceeds the context of {ctx} tokens")
+            raise UserError(f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} that exceeds "
+                            f"the context of {ctx} tokens (--max-model-len)")
         out_ids.append(ids)
         out_chunks.append(chunks)
     return out_ids, out_chunks
@@ -181,12 +185,10 @@ def main(args) -> bool:
             requests.append(q)
             chunks.append(ch)
     prompts = [p for p in args.prompt for _ in range(args.n)]
-    if args.no_chunked_prefill:
-        outputs, st = engine.generate(requests)
-        reused = recomputed = [0] * len(requests)
-    else:
-        res = engine.generate(requests, chunks)
-        outputs, st, reused, recomputed = res.outputs, res.stats, res.reused_tokens, res.recomputed_tokens
+    outputs, st = engine.generate(requests) if args.no_chunked_prefill else engine.generate(requests, chunks)
+    reused = getattr(st, "reused_tokens", None) or [0] * len(requests)          # step05/06 的引擎没有
+    recomputed = getattr(st, "recomputed_tokens", None) or [0] * len(requests)
+    blocks, peaks = getattr(st, "kv_blocks", None), getattr(st, "kv_blocks_peak", None)
     cli.print_generations(s, prompts, outputs)
     store = getattr(engine, "chunk_store", None)
     print(f"\n--blend {args.blend}：提示词 {sum(len(r.prompt_ids) for r in requests)} 个 token，其中 {sum(reused)} 个的 K/V "
@@ -194,13 +196,16 @@ def main(args) -> bool:
           f"{st.num_forwards} 次前向产出 {st.generated_tokens} 个 token；池子 {num_blocks} 块 × {args.block_size} token")
     if args.json:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
-        for res_, cached, ch, ru, rc in zip(out["results"], st.cached_tokens, chunks, reused, recomputed):
-            res_.update(cached_tokens=cached, chunks=ch, reused_tokens=ru, recomputed_tokens=rc)
+        for i, (res, cached) in enumerate(zip(out["results"], st.cached_tokens)):
+            res.update(cached_tokens=cached, chunks=chunks[i], reused_tokens=reused[i], recomputed_tokens=recomputed[i])
+            if blocks is not None:
+                res["kv_blocks"], res["kv_blocks_peak"] = blocks[i], peaks[i]
         out["stats"] = {"blend": args.blend,
                         "recompute_ratio": engine.config.ratio if args.blend == "blend" else None, "forwards": st.num_forwards,
                         "generated_tokens": st.generated_tokens, "chunks_stored": store.stored if store else 0,
                         "chunk_hits": store.hits if store else 0, "num_blocks": num_blocks,
-                        "block_size": args.block_size, "preemptions": st.preemptions}
+                        "block_size": args.block_size, "preemptions": st.preemptions, "kv_policy": args.kv_policy,
+                        "spec_method": spec_method(args), "compactions": getattr(engine, "num_compactions", 0)}
         cli.emit_json(out)
     return True
 

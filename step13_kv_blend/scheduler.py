@@ -102,10 +102,10 @@ class Scheduler:
         从不为此抢占。返回留下的猜测数。"""
         seq.trim_spec(budget)
         bm = self.block_manager
-        need = bm.blocks_for(seq.num_tokens_with_spec) - len(seq.block_table)
+        need = bm.blocks_for(seq.num_tokens_with_spec - seq.num_evicted) - len(seq.block_table)   # 按槽算（step12）
         if need > 0 and bm.can_allocate(need):
             seq.block_table += bm.allocate(need)
-        seq.trim_spec(len(seq.block_table) * bm.block_size - seq.num_tokens)
+        seq.trim_spec(len(seq.block_table) * bm.block_size - (seq.num_tokens - seq.num_evicted))
         return len(seq.spec_token_ids)
 
     def _admit(self, budget: int) -> list[Sequence]:

@@ -333,6 +333,13 @@ def test_run_py_generation_modes(tiny_tok_dir):
     assert res["reuse"]["stats"]["chunks_stored"] == 2 and res["reuse"]["stats"]["chunk_hits"] == 2
     assert all(x["reused_tokens"] > 0 and x["recomputed_tokens"] == 0 for x in res["reuse"]["results"])
     assert all(x["reused_tokens"] == 0 and x["recomputed_tokens"] > 0 for x in b)   # r = 1：段里全部重算
+    plain = ["--model", str(tiny_tok_dir), "--prompt", "Sylvania exports cheese.", "--max-new-tokens", "6",
+             "--ignore-eos", "--json"]
+    a, c = run_py("step12_kv_eviction", *plain), run_py("step13_kv_blend", *plain, "--blend", "none")
+    assert a.returncode == c.returncode == 0, (a.stderr[-1000:], c.stderr[-1000:])
+    ja, jc = (json.loads(x.stdout.strip().splitlines()[-1]) for x in (a, c))
+    assert [x["output_ids"] for x in ja["results"]] == [x["output_ids"] for x in jc["results"]]
+    assert [x["kv_blocks"] for x in ja["results"]] == [x["kv_blocks"] for x in jc["results"]]
 
 
 @pytest.mark.parametrize("extra, match", [
