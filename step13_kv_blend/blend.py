@@ -96,12 +96,14 @@ class BlendResult:
     kv: torch.Tensor                  # (layers, 2, H_kv, n, D)：这个请求的 K/V（复用的 + 重算的）
     selected: torch.Tensor            # (n,) bool：走完全部层重算的 token（问题部分 + 选中的）
     logits: Optional[torch.Tensor]    # (V,)：最后一个 token 的 logits（它被重算时；否则 None）
-    probe_tokens: int                 # 检查层之前为选择而算的 token 数（每个 CHECK_LAYER 层，再加检查层的 K/V）
+    probe_tokens: int                 # 为选择而算了前 CHECK_LAYER 层（和检查层的 K/V 投影）的 token 数
     recomputed_tokens: int            # selected 的个数
+    all_logits: Optional[torch.Tensor] = None   # (m, V)：每个重算的 token 的 logits（all_logits=True 时；按位置升序）
 
     def layer_tokens(self, num_layers: int) -> float:
-        """折算成"完整算了几个 token"（一个 token 走完全部层 = 1）：选中的 + 检查的那几层。"""
-        return self.recomputed_tokens + self.probe_tokens * (CHECK_LAYER + 0.5) / num_layers
+        """折算成"完整算了几个 token"（一个 token 走完全部层 = 1）：选中的 + 检查之前的那几层
+        （检查层的 K/V 投影不算：不到一层的一小半）。"""
+        return self.recomputed_tokens + self.probe_tokens * CHECK_LAYER / num_layers
 
 
 def check_ratio(ratio) -> float:
@@ -112,10 +114,11 @@ def check_ratio(ratio) -> float:
 
 @torch.inference_mode()
 def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: torch.Tensor, mode: str,
-                  ratio: float = 0.0, deviation_on: str = "k") -> BlendResult:
+                  ratio: float = 0.0, deviation_on: str = "k", all_logits: bool = False) -> BlendResult:
     """一个请求的 prefill，位置 0..n−1。cached_kv (layers, 2, H_kv, n, D)：reused[i] 为 True 的 token 在这里放着
     复用来的 K/V（concat：段存着的原样；reuse / blend：已转到新位置）；其余 token（问题、段之间的文字）的那几列不读。
-    返回这个请求完整的 K/V 与最后一个 token 的 logits。"""
+    返回这个请求完整的 K/V 与最后一个 token 的 logits；all_logits：每个重算的 token 的 logits（章节模式拿问题之后的
+    答案位置做 teacher forcing：它们在问题部分里，总被重算）。"""
     if mode not in BLEND_MODES:
         raise ValueError(f"mode must be one of {BLEND_MODES}, got {mode!r}")
     ratio = check_ratio(ratio)
@@ -148,7 +151,7 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
     #    的全部 n 个 key（没选中的是复用的，选中的是刚算的），按各自的位置做因果掩码
     idx = selected.nonzero()[:, 0]                                               # (m,) 升序
     m = len(idx)
-    logits = None
+    logits, x = None, None
     if m:
         x = model.embed_tokens(ids[:, idx])                                      # (1, m, E)
         cos_s, sin_s = cos[:, idx], sin[:, idx]                                  # (1, m, D)
@@ -162,7 +165,8 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if idx[-1] == n - 1:
             logits = model.lm_head(model.norm(x[:, -1:])).float()[0, 0]         # (V,)
-    return BlendResult(kv, selected.cpu(), logits, probe, m)
+    rows = model.lm_head(model.norm(x)).float()[0] if m and all_logits else None          # (m, V)
+    return BlendResult(kv, selected.cpu(), logits, probe, m, rows)
 
 
 # ---- 从块缓存拼出一个请求的复用 K/V ----

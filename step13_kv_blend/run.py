@@ -47,6 +47,7 @@ def make_parser() -> cli.Parser:
     p.set_defaults(spec_method=None)             # 没给时由 spec_method(args) 按 --draft-model 定
     groups["投机解码"].add_argument("--draft-model", default=None, metavar="DIR",
                                    help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
+    p.add_argument("--plot", default=None, metavar="PNG", help="章节模式：把\"重算多少换回多少质量\"的曲线存成图")
     g = groups["非前缀复用"]
     g.add_argument("--doc", action="append", default=None, metavar="TEXT",
                    help="一篇文档（可重复）：依次放在每个 --prompt（问题）前面，每篇是一段")
