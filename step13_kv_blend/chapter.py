@@ -28,7 +28,7 @@ from step13_kv_blend.blend import CHECK_LAYER, blend_prefill, chunk_kv, rerotate
 
 STEP = "step13_kv_blend"
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
-MAX_NEW = 12
+MAX_NEW = 12       # 贪心回答的长度上限（--quick：6）
 
 NAMES = ["Alice Moreau", "Bruno Castell", "Chen Wei", "Dara Okafor", "Elena Petrova", "Farid Haddad", "Greta Lind",
          "Hugo Brandt", "Ines Duarte", "Jonas Weber", "Kira Tanaka", "Liam O'Neill"]
@@ -90,7 +90,8 @@ class Chapter:
         self.bs, self.tol = args.block_size, MARGIN_TOL[s.dtype]
         self.checks, self.figures = Checks(), {}
         rng = random.Random(13)
-        n_req = 6 if self.quick else 24
+        n_req = 3 if self.quick else 24                         # --quick：三种问题各一个
+        self.max_new = 6 if self.quick else MAX_NEW
         self.docs, self.work = make_workload(rng, n_req, (3, 3) if self.quick else (3, 6), 3 if self.quick else 14)
         tok = s.tok.hf
         head, tail = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
@@ -109,7 +110,7 @@ class Chapter:
         self.modes = ["concat", "reuse"] + [f"blend{round(r * 100)}" for r in RATIOS]
         self.L = s.cfg.num_layers
         # 池子：全部文档（块缓存）+ 最长的一个请求，每篇文档最后一块可能不满
-        need = sum(len(v) for v in self.doc_ids.values()) + max(len(r[0]) for r in self.reqs) + MAX_NEW
+        need = sum(len(v) for v in self.doc_ids.values()) + max(len(r[0]) for r in self.reqs) + self.max_new
         self.num_blocks = -(-need // self.bs) + len(self.doc_ids) + 8
 
     # ---- 工具 ----
@@ -156,14 +157,14 @@ class Chapter:
                 eng.chunk_store.release(e)
 
     def run_engine(self, mode: str):
-        """一个一个地跑全部请求（max_new_tokens 12，贪心）：输出、TTFT、前缀缓存命中、块缓存复用。"""
+        """一个一个地跑全部请求（贪心，最多 self.max_new 个 token）：输出、TTFT、前缀缓存命中、块缓存复用。"""
         blend, ratio = ("blend", int(mode[5:]) / 100) if mode.startswith("blend") else (mode, None)
         eng = self.engine(blend, ratio)
         self.warm(eng, blend)
         misses0 = eng.chunk_store.misses
         outs, ttft, cached, reused = [], [], [], []
         for ids, chunks, _, _ in self.reqs:
-            r = eng.generate([Request(ids, MAX_NEW)], [chunks])
+            r = eng.generate([Request(ids, self.max_new)], [chunks])
             st = r.stats
             outs.append(r.outputs[0])
             ttft.append(st.first_token_s[0] - st.arrival_s[0])
@@ -211,7 +212,7 @@ class Chapter:
         stage("\n[2][3] 引擎：贪心回答、TTFT、算了多少（一个一个地跑，缓存预先热好）")
         runs = {m: self.run_engine(m) for m in ["none", "prefix"] + self.modes}
         ref12 = step12.LLMEngine(s.model, step12.EngineConfig(self.num_blocks, self.bs), s.tok,
-                                 s.tok.eos_ids).generate([Request(r[0], MAX_NEW) for r in self.reqs]).outputs
+                                 s.tok.eos_ids).generate([Request(r[0], self.max_new) for r in self.reqs]).outputs
         none_out = runs["none"][0]
         c["--blend none equals step12 (--kv-policy full)"] = none_out == ref12
         for m in ("prefix", "blend100"):

@@ -33,6 +33,8 @@ REQUIRED_FIGURES = {
     "step09_speculative": {"acceptance_rate", "mean_accepted_tokens_per_step", "forwards_per_token",
                            "speedup_vs_step08_batch1_grounded", "speedup_vs_step08_batch1_chat",
                            "speedup_vs_step08_batch8_grounded", "hf_prompt_lookup_speedup_batch1_grounded"},
+    "step13_kv_blend": {"ttft_ratio_blend15_vs_full", "top1_agree_reuse", "top1_agree_blend15", "kl_concat",
+                        "answer_same_as_full_blend15", "rerotate_max_abs_diff"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}

@@ -269,7 +269,11 @@ def test_engine_blend_ends(tiny):
     prefix_blocks = [b for b, r in eng.block_manager.cached.items()
                      if all(r is not x for e in eng.chunk_store.entries.values() for x in e.records)]
     assert prefix_blocks == []                                       # 拼出来的请求一块也没登记进前缀缓存
-    _, reuse = run13(tiny.model, reqs, marks, blend="reuse")
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, max_num_batched_tokens=32, blend="reuse"))
+    res = eng.generate(reqs, marks)
+    reuse = res.outputs
+    assert res.stats.reused_tokens == [sum(e - s for s, e in m) for m in marks]   # 段里的 token 全部复用、一个没重算
+    assert res.stats.recomputed_tokens == [0] * len(reqs)
     _, r0 = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=0.0)
     assert r0 == reuse
     _, concat = run13(tiny.model, reqs, marks, blend="concat")
@@ -319,22 +323,23 @@ def test_run_py_generation_modes(tiny_tok_dir):
     from conftest import run_py
     base = ["--model", str(tiny_tok_dir), "--doc", "Freedonia's capital is Fredville.\n",
             "--doc", "Sylvania exports cheese and tin.\n", "--prompt", "What does Sylvania export?",
-            "--prompt", "Name the capital.", "--rotate-docs", "--max-new-tokens", "6", "--ignore-eos", "--json"]
+            "--prompt", "Name the capital.", "--rotate-docs", "--max-new-tokens", "6", "--ignore-eos", "--json",
+            "--num-blocks", "64"]
     res = {}
-    for mode in (["none"], ["prefix"], ["blend", "--recompute-ratio", "1"], ["reuse"]):
+    for mode in (["none"], ["blend", "--recompute-ratio", "1"]):
         r = run_py("step13_kv_blend", *base, "--blend", *mode)
         assert r.returncode == 0, r.stderr[-2000:]
         res[mode[0]] = json.loads(r.stdout.strip().splitlines()[-1])
     outs = {m: [x["output_ids"] for x in j["results"]] for m, j in res.items()}
-    assert outs["none"] == outs["prefix"] == outs["blend"]
+    assert outs["none"] == outs["blend"]
     b = res["blend"]["results"]
     lens = [[e - s for s, e in x["chunks"]] for x in b]
     assert b[0]["chunks"][0][0] == 0 and lens[0] == lens[1][::-1]      # --rotate-docs：第二个提示词的文档顺序反过来
-    assert res["reuse"]["stats"]["chunks_stored"] == 2 and res["reuse"]["stats"]["chunk_hits"] == 2
-    assert all(x["reused_tokens"] > 0 and x["recomputed_tokens"] == 0 for x in res["reuse"]["results"])
+    assert res["blend"]["stats"]["chunks_stored"] == 2 and res["blend"]["stats"]["chunk_hits"] == 2
+    assert all(x["reused_tokens"] == 0 for x in res["none"]["results"])
     assert all(x["reused_tokens"] == 0 and x["recomputed_tokens"] > 0 for x in b)   # r = 1：段里全部重算
     plain = ["--model", str(tiny_tok_dir), "--prompt", "Sylvania exports cheese.", "--max-new-tokens", "6",
-             "--ignore-eos", "--json"]
+             "--ignore-eos", "--json", "--num-blocks", "64"]
     a, c = run_py("step12_kv_eviction", *plain), run_py("step13_kv_blend", *plain, "--blend", "none")
     assert a.returncode == c.returncode == 0, (a.stderr[-1000:], c.stderr[-1000:])
     ja, jc = (json.loads(x.stdout.strip().splitlines()[-1]) for x in (a, c))
