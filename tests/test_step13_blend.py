@@ -281,13 +281,17 @@ def test_engine_blend_ends(tiny):
 
 
 @one_arch
-def test_engine_chunk_store_under_memory_pressure(tiny):
-    """池子小：存的段被请求要的块挤掉（LRU），请求照样跑完，块一个不少地还回来。"""
-    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_docs=6, n_req=6, max_new=4)
-    _, full = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=1.0)
-    eng, out = run13(tiny.model, reqs, marks, blend="blend", recompute_ratio=1.0, num_blocks=24, max_batch_size=2)
-    assert out == full
-    assert eng.block_manager.num_evictions > 0
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_engine_chunk_store_under_memory_pressure(tiny, preempt):
+    """池子小：存的段被请求要的块挤掉（同一条 LRU），请求被抢占（重算时再拼一次，换出时带着拼好的 K/V），
+    输出与池子够大时相同，块一个不少地还回来。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_docs=6, n_req=6, max_new=24)
+    _, ref = run13(tiny.model, reqs, marks, blend="reuse")
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(30, 4, max_batch_size=3, max_num_batched_tokens=32,
+                                                           blend="reuse", preempt=preempt))
+    res = eng.generate(reqs, marks)
+    assert res.outputs == ref
+    assert res.stats.preemptions > 0 and eng.block_manager.num_evictions > 0
     all_blocks_back(eng)
 
 
