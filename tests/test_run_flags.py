@@ -9,13 +9,16 @@ import pytest
 from conftest import ROOT
 
 STEPS = ("step05_paged", "step06_prefix_cache", "step07_chunked_prefill", "step08_kv_quant", "step09_speculative",
-         "step10_tensor_parallel")
+         "step10_tensor_parallel", "step12_kv_eviction")
 CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py 都有
     "--block-size": 5, "--num-blocks": 5, "--max-batch-size": 5, "--attention": 5, "--compile": 5,
     "--no-prefix-cache": 6, "--n": 6, "--max-num-batched-tokens": 7, "--no-chunked-prefill": 7,
     "--kv-dtype": 8, "--preempt": 8, "--spec-method": 9, "--num-spec-tokens": 9, "--ngram-min": 9, "--ngram-max": 9,
     "--draft-model": 9, "--tp": 10, "--pp": 10,
+    "--kv-policy": 12, "--kv-budget": 12, "--num-sinks": 12, "--kv-positions": 12, "--h2o-recent": 12,
+    "--snapkv-window": 12, "--snapkv-pool": 12, "--max-model-len": 12,
 }
+NOT_FROM = {"step12_kv_eviction": {"--tp", "--pp"}}   # step12 从 step09 出发：没有 step10 的张量并行
 RUN_PY_DEFAULTS = {"spec_method": None}   # run.py 改了默认值的字段：没给时按 --draft-model 推断
 
 
@@ -33,7 +36,9 @@ def test_engine_flags_are_generated_from_engine_config(step):
     parser = importlib.import_module(f"{step}.run").make_parser()
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
     n = int(step[4:6])
-    assert {f for f, since in CONTRACT.items() if since <= n} <= set(actions), "a run.py contract flag is missing"
+    required = {f for f, since in CONTRACT.items() if since <= n} - NOT_FROM.get(step, set())
+    assert required <= set(actions), "a run.py contract flag is missing"
+    assert not NOT_FROM.get(step, set()) & set(actions)
     assert not {f for f, since in CONTRACT.items() if since > n} & set(actions), "a later step's flag leaked in"
     generated = engine_flags(step)
     assert {"--num-blocks", "--block-size", "--max-batch-size", "--attention"} <= set(generated)

@@ -1,0 +1,425 @@
+"""step12 引擎：KV 驱逐的缓存（随机小模型；真实模型只有一个短测试）。
+
+- full 与 step09 逐 token 相同、前向次数相同（分块 prefill、前缀缓存、重算 / 换出抢占、gather、投机都开着）；
+  每个策略、两种位置在预算盖得住整个请求时（正好不触发压缩的边界）与 full 相同；
+- 留哪些槽：window / sinks 的槽号，h2o 的"最近 + 最重"（分数一样时留靠前的），snapkv 的最大池化投票；
+- 内存真的还回来：驱逐时每个请求的块数有上界、不随 token 数增长，比池子还长的请求也跑得完；结束、abort 后全部块回到池子；
+- 重新旋转：按槽 o 转过的 key 再转 n − o 等于直接在 n 转；window 策略下 cache 与 text 位置的注意力完全一样
+  （相对距离相同），不转就不一样；
+- h2o 的分数等于直接算的 softmax（按 KV 组、全部 query 求和）；snapkv 只在 prefill 之后压缩；
+- 换出 / 重算式抢占在驱逐下跑完、块全回来；前缀缓存命中后压缩不碰与别人共享的块；分不到新块时推迟压缩；
+- 坏输入：每条规则一个 UserError，说出参数名；run.py 在加载模型之前一行 error、退出码 2。
+"""
+import json
+
+import pytest
+import torch
+
+from common.errors import UserError
+from common.model import attention, rope_inv_freq
+from conftest import cli_error, one_arch, run_py
+from step02_sampling.sampler import SamplingParams
+from step04_static_batching.request import Request
+from step09_speculative import engine as step09
+from step12_kv_eviction import engine as step12
+from step12_kv_eviction import eviction
+from step12_kv_eviction import run as run12
+
+GREEDY = SamplingParams()
+BASE = dict(num_blocks=64, block_size=4, max_num_batched_tokens=32)
+LENGTHS = (5, 40, 70, 9, 23)
+
+
+def prompts(seed: int = 0, lengths=LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def requests(max_new: int = 30, ps=None, **kw) -> list[Request]:
+    return [Request(p, max_new, GREEDY, ignore_eos=True, **kw) for p in (ps or prompts())]
+
+
+def engine(model, step=step12, **cfg):
+    return step.LLMEngine(model, step.EngineConfig(**{**BASE, **cfg}))
+
+
+def assert_all_free(e) -> None:
+    bm = e.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    if e.swap is not None:
+        assert e.swap.num_used == 0
+
+
+# ---- full = step09 ----
+
+_FULL = {}
+
+
+def full_reference(tiny):
+    """requests() 在 full 下的结果（每个小模型只跑一次，几个测试共用）。"""
+    if tiny.arch not in _FULL:
+        _FULL[tiny.arch] = engine(tiny.model).generate(requests())
+    return _FULL[tiny.arch]
+
+
+def test_full_equals_step09(tiny):
+    check_full_equals_step09(tiny)
+
+
+@one_arch
+@pytest.mark.parametrize("cfg", [dict(num_blocks=28), dict(num_blocks=28, preempt="swap"),
+                                 dict(attention="gather"), dict(spec_method="ngram")],
+                         ids=["recompute", "swap", "gather", "ngram"])
+def test_full_equals_step09_with_every_feature(tiny, cfg):
+    check_full_equals_step09(tiny, **cfg)
+
+
+def check_full_equals_step09(tiny, **cfg):
+    reqs = requests()
+    ref = engine(tiny.model, step09, **cfg).generate(reqs)
+    e = engine(tiny.model, **cfg)
+    out = e.generate(reqs)
+    assert out.outputs == ref.outputs
+    assert out.stats.num_forwards == ref.stats.num_forwards
+    assert out.stats.preemptions == ref.stats.preemptions
+    assert e.num_compactions == 0
+    assert_all_free(e)
+
+
+@one_arch
+@pytest.mark.parametrize("policy", ["window", "sinks", "h2o", "snapkv"])
+@pytest.mark.parametrize("positions", ["cache", "text"])
+def test_budget_covering_the_request_equals_full(tiny, policy, positions):
+    """压缩看的是前向之后还在跑的请求的槽数，最多 提示词 + N − 2（算完第 N − 1 个 token 的那次前向采样出最后一个
+    token，请求就结束了）。预算 = 它 − 一块 + 1：一次也不压缩，与 full 逐 token 相同；预算再小一个槽就压缩一次
+    （下面也验证了，所以边界是真的）。"""
+    reqs, bs = requests(), BASE["block_size"]
+    longest = max(LENGTHS) + 30 - 2
+    knobs = dict(snapkv_window=8) if policy == "snapkv" else {}
+    ref = full_reference(tiny)
+    e = engine(tiny.model, kv_policy=policy, kv_budget=longest - bs + 1, kv_positions=positions, **knobs)
+    out = e.generate(reqs)
+    assert e.num_compactions == 0
+    assert out.outputs == ref.outputs and out.stats.num_forwards == ref.stats.num_forwards
+    if policy != "snapkv":   # snapkv 只在 prefill 之后压缩：decode 长出来的槽不触发
+        tight = engine(tiny.model, kv_policy=policy, kv_budget=longest - bs, kv_positions=positions, **knobs)
+        tight.generate(reqs)
+        assert tight.num_compactions == 1
+
+
+# ---- 留哪些槽 ----
+
+def test_kept_sets_of_each_policy():
+    w = eviction.kept_slots("window", 30, 8, 2, 3)
+    assert w.shape == (2, 3, 8) and (w == torch.arange(22, 30)).all()
+    s = eviction.kept_slots("sinks", 30, 8, 2, 3, sinks=2)
+    assert (s == torch.tensor([0, 1, 24, 25, 26, 27, 28, 29])).all()
+    # h2o：最后 recent 个全留，其余按分数；分数一样时留槽号小的；每层每个头各自选
+    scores = torch.zeros(1, 2, 12)
+    scores[0, 0, [3, 7]] = 5.0
+    scores[0, 1, [1, 2, 9]] = 1.0        # 槽 9 本来就在最近的 3 个（9..11）里
+    h = eviction.kept_slots("h2o", 12, 6, 1, 2, recent=3, scores=scores)
+    assert h[0, 0].tolist() == [0, 3, 7, 9, 10, 11]    # 两个重的 + 并列 0 分里槽号最小的 0
+    assert h[0, 1].tolist() == [0, 1, 2, 9, 10, 11]
+    # snapkv：最大池化（核 3）让高分槽的邻居也得分
+    votes = torch.zeros(1, 1, 20)
+    votes[0, 0, 10] = 1.0
+    v = eviction.kept_slots("snapkv", 20, 7, 1, 1, recent=4, scores=votes, pool_kernel=3)
+    assert v[0, 0].tolist() == [9, 10, 11, 16, 17, 18, 19]
+    v1 = eviction.kept_slots("snapkv", 20, 7, 1, 1, recent=4, scores=votes, pool_kernel=1)
+    assert v1[0, 0].tolist() == [0, 1, 10, 16, 17, 18, 19]
+
+
+@one_arch
+@pytest.mark.parametrize("policy", ["window", "sinks", "h2o"])
+def test_blocks_held_stay_flat_and_all_come_back(tiny, policy):
+    """一个请求 70 + 60 个 token、预算 16：每次前向之后它最多 预算 + 一块 − 1 个槽，块表不超过
+    blocks_for(预算 + 一块 − 1 + 一次前向的 token)；decode 中不超过 blocks_for(预算 + 一块)。池子的账在每一步都对得上。"""
+    bs, B, T = 4, 16, 32
+    e = engine(tiny.model, kv_policy=policy, kv_budget=B, max_num_batched_tokens=T)
+    rid = e.add_request(Request(prompts(lengths=(70,))[0], 60, GREEDY, ignore_eos=True))
+    held = []
+    while e.has_unfinished_requests():
+        outs = e.step()
+        seq = e.seqs.get(rid)
+        if seq is None:
+            assert outs[0].kv_blocks_peak <= -(-(B + bs - 1 + T) // bs)
+            break
+        assert seq.kv_len <= B + bs - 1
+        held.append(len(seq.block_table))
+        assert e.block_manager.num_free_blocks + len(seq.block_table) == e.block_manager.num_blocks
+        if not seq.in_prefill:
+            assert len(seq.block_table) <= -(-(B + bs) // bs)
+    assert e.num_compactions >= 60 // bs
+    assert max(held[-40:]) <= -(-(B + bs) // bs) < -(-130 // bs)
+    assert_all_free(e)
+
+
+@one_arch
+def test_a_request_longer_than_the_pool_runs_under_a_policy(tiny):
+    """池子 12 块 × 4 = 48 个槽，请求 70 + 30 个 token：full 拒绝（要 25 块），sinks 预算 16 只要有界的块数，跑得完。"""
+    req = Request(prompts(lengths=(70,))[0], 30, GREEDY, ignore_eos=True)
+    with pytest.raises(UserError, match="num-blocks"):
+        engine(tiny.model, num_blocks=12, max_num_batched_tokens=16).add_request(req)
+    e = engine(tiny.model, num_blocks=12, max_num_batched_tokens=16, kv_policy="sinks", kv_budget=16)
+    out = e.generate([req])
+    assert len(out.outputs[0]) == 30 and out.stats.kv_blocks_peak[0] <= 12 and out.stats.kv_blocks[0] <= 5
+    assert_all_free(e)
+
+
+@one_arch
+def test_max_model_len_allows_a_longer_context(tiny):
+    req = Request(prompts(lengths=(600,))[0], 4, GREEDY, ignore_eos=True)   # 随机小模型的上下文是 512
+    with pytest.raises(UserError, match="context"):
+        engine(tiny.model, kv_policy="sinks", kv_budget=16).add_request(req)
+    e = engine(tiny.model, kv_policy="sinks", kv_budget=16, max_model_len=700)
+    assert len(e.generate([req]).outputs[0]) == 4
+    assert_all_free(e)
+
+
+@one_arch
+def test_abort_mid_request_frees_everything(tiny):
+    e = engine(tiny.model, kv_policy="h2o", kv_budget=16)
+    ids = [e.add_request(r) for r in requests()]
+    for _ in range(6):
+        e.step()
+    assert e.num_compactions > 0 and e.block_manager.num_free_blocks < e.block_manager.num_blocks
+    for rid in ids:
+        e.abort(rid)
+    outs = e.step()
+    assert {o.request_id for o in outs if o.finish_reason == "abort"} == set(ids)
+    assert_all_free(e)
+
+
+# ---- 重新旋转 ----
+
+def test_rerotation_equals_rotating_at_the_new_slot(tiny):
+    """R(n − o)·R(o)·k 与 R(n)·k：同一个 key 在槽 o 转过、挪到槽 n 再转，等于直接在 n 转（float32，最大差 < 5e-4）。"""
+    from common.model import RotaryEmbedding, apply_rope
+    rope, inv_freq = RotaryEmbedding(tiny.cfg), rope_inv_freq(tiny.cfg)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 2, 50, tiny.cfg.head_dim, generator=g)             # (1, H_kv, n, D) 还没转的 key
+    old = torch.randint(100, 1000, (50,), generator=g)
+    new = torch.randint(0, 100, (50,), generator=g)
+    at_old = apply_rope(k, *rope(old[None], torch.float32))
+    at_new = apply_rope(k, *rope(new[None], torch.float32))
+    moved = eviction.rerotate(at_old, (new - old).expand(1, 2, 50), inv_freq)
+    assert (moved - at_new).abs().max() < 5e-4       # float32 的角度 p·θ 本身差约 p·6e-8 弧度（两边都有）
+    assert (at_old - at_new).abs().max() > 0.1                           # 不转就差得远
+
+
+def logprobs_run(e, reqs):
+    """一步一步跑，收下每个请求每个新 token 的 logprob。"""
+    ids = [e.add_request(r) for r in reqs]
+    toks, lps = {i: [] for i in ids}, {i: [] for i in ids}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [lp.logprob for lp in o.logprobs or ()]
+    return [toks[i] for i in ids], [lps[i] for i in ids]
+
+
+@one_arch
+def test_window_with_cache_positions_equals_text_positions(tiny):
+    """window 留的是连续的最近 B 个 token：query 到每个 key 的距离按槽号与按原文位置算都一样，RoPE 只看距离，
+    所以两种位置的 logprob 相同（到浮点误差）。cache 位置压缩时要把 key 重新旋转到新槽号：不转就不相同。"""
+    reqs = requests(max_new=40, logprobs=1)
+    text = logprobs_run(engine(tiny.model, kv_policy="window", kv_budget=12, kv_positions="text"), reqs)
+    e = engine(tiny.model, kv_policy="window", kv_budget=12, kv_positions="cache")
+    cache = logprobs_run(e, reqs)
+    assert e.num_compactions > 10
+    assert cache[0] == text[0]
+    assert max(abs(a - b) for x, y in zip(cache[1], text[1]) for a, b in zip(x, y)) < 1e-4
+
+
+@one_arch
+@pytest.mark.parametrize("policy, positions", [("sinks", "cache"), ("h2o", "text")])
+def test_gather_path_equals_the_paged_kernel_under_eviction(tiny, policy, positions):
+    """--attention gather（按槽的掩码、按槽读块）与分页内核在压缩过的缓存上给出同样的 token。"""
+    reqs = requests()
+    cfg = dict(kv_policy=policy, kv_budget=16, kv_positions=positions)
+    paged = engine(tiny.model, **cfg)
+    out = paged.generate(reqs).outputs
+    assert paged.num_compactions > 10
+    assert engine(tiny.model, attention="gather", **cfg).generate(reqs).outputs == out
+
+
+# ---- 分数 ----
+
+class Recorder:
+    """整段一次前向、不分页：记下每层的 q 与 k（已做 RoPE），注意力照常（因果）。"""
+    mask = None
+
+    def __init__(self):
+        self.q, self.k = {}, {}
+
+    def attend(self, layer_idx, q, k, v):
+        self.q[layer_idx], self.k[layer_idx] = q, k
+        return attention(q, k, v)
+
+
+@pytest.mark.parametrize("attn", ["paged", "gather"])
+def test_h2o_scores_equal_a_direct_softmax(tiny, attn):
+    """分块 prefill（每块 8 个）+ 几步 decode、没有压缩：每个槽的分数 = 整段因果注意力里，它从全部 query、
+    同一 KV 组的全部 query 头得到的概率之和（这里直接用 einsum 算，不用 eviction.attention_scores）。"""
+    e = engine(tiny.model, kv_policy="h2o", kv_budget=200, max_num_batched_tokens=8, attention=attn)
+    rid = e.add_request(Request(prompts(lengths=(21,))[0], 10, GREEDY, ignore_eos=True))
+    seq = e.seqs[rid]
+    while len(seq.output_ids) < 6:
+        e.step()
+    S = seq.kv_len
+    assert S == seq.num_computed_tokens == 21 + 5
+    rec = Recorder()
+    with torch.inference_mode():
+        tiny.model(torch.tensor([seq.token_ids[:S]]), torch.arange(S)[None], rec)
+    H, H_kv, D = tiny.cfg.num_heads, tiny.cfg.num_kv_heads, tiny.cfg.head_dim
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    for layer in range(tiny.cfg.num_layers):
+        q = rec.q[layer][0].view(H_kv, H // H_kv, S, D)                   # (H_kv, G, S, D)
+        k = rec.k[layer][0]                                               # (H_kv, S, D)
+        s = torch.einsum("hgqd,hkd->hgqk", q, k) / D ** 0.5
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        assert torch.allclose(seq.kv_scores[layer, :, :S], p.sum(dim=(1, 2)), atol=1e-4)
+        assert (seq.kv_scores[layer, :, S:] == 0).all()
+
+
+def test_attention_scores_use_only_the_last_voters():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 6, 8, generator=g), torch.randn(2, 10, 8, generator=g)
+    full = eviction.attention_scores(q, k, 6)
+    last2 = eviction.attention_scores(q, k, 2)
+    assert torch.allclose(full.sum(), torch.tensor(4 * 6.0)) and torch.allclose(last2.sum(), torch.tensor(4 * 2.0))
+    assert (last2[:, 9] > 0).all() and (full[:, :4] > last2[:, :4]).all()
+    # 最后一个 query（槽 9）看全部 10 个槽；倒数第二个只看到槽 8
+    one = eviction.attention_scores(q[:, :5], k[:, :9], 1)
+    assert torch.allclose(one[:, :9].sum(), torch.tensor(4.0))
+
+
+@one_arch
+def test_snapkv_compacts_only_after_prefill_chunks(tiny):
+    """提示词 70、每块 32：三块 prefill 之后各压缩一次（32、56、30 个槽 → 24），decode 的 30 个 token 照常往后写。"""
+    e = engine(tiny.model, kv_policy="snapkv", kv_budget=24, snapkv_window=8)
+    rid = e.add_request(Request(prompts(lengths=(70,))[0], 30, GREEDY, ignore_eos=True))
+    seq = e.seqs[rid]
+    while len(seq.output_ids) < 29:
+        e.step()
+    assert e.num_compactions == 3 and seq.num_evicted == 70 - 24 and seq.kv_len == 24 + 28
+    while e.has_unfinished_requests():
+        e.step()
+    assert_all_free(e)
+
+
+# ---- 抢占、前缀缓存 ----
+
+@one_arch
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", ["sinks", "h2o"])
+def test_preemption_under_a_policy(tiny, policy, preempt):
+    e = engine(tiny.model, num_blocks=14, kv_policy=policy, kv_budget=16, preempt=preempt)
+    out = e.generate(requests())
+    assert out.stats.preemptions > 0 and e.num_compactions > 0
+    assert [len(o) for o in out.outputs] == [30] * 5
+    assert_all_free(e)
+
+
+@one_arch
+def test_prefix_hit_then_compaction_leaves_the_sharer_alone(tiny):
+    """A 的前 32 个 token 登记进前缀缓存、A 还拿着它们时 B 命中（共享这些块），同一步两人都压缩：
+    A 的输出与没有别人共享时（关掉前缀缓存、单独跑）逐 token 相同；B 确实命中了，块全回来。"""
+    shared = prompts(lengths=(32,))[0]
+    a = Request(shared + prompts(seed=1, lengths=(18,))[0], 20, GREEDY, ignore_eos=True)
+    b = Request(shared + prompts(seed=2, lengths=(30,))[0], 20, GREEDY, ignore_eos=True)
+    cfg = dict(kv_policy="sinks", kv_budget=40)
+    alone = engine(tiny.model, enable_prefix_caching=False, **cfg).generate([a]).outputs[0]
+    e = engine(tiny.model, **cfg)
+    out = e.generate([a, b])
+    assert out.stats.cached_tokens == [0, 32]
+    assert out.outputs[0] == alone
+    assert e.num_compactions >= 2
+    assert_all_free(e)
+
+
+@one_arch
+def test_compaction_waits_when_no_fresh_blocks(tiny, monkeypatch):
+    """分不到新块（这里让 can_replace 第一次说不够）：这一次不压缩、记一笔，下一次前向之后再压缩；请求照常跑完。"""
+    e = engine(tiny.model, kv_policy="window", kv_budget=16)
+    real, calls = e.block_manager.can_replace, []
+
+    def once_no(table, n):
+        calls.append(n)
+        return len(calls) > 1 and real(table, n)
+    monkeypatch.setattr(e.block_manager, "can_replace", once_no)
+    out = e.generate(requests(ps=prompts(lengths=(10,)), max_new=30))
+    assert e.num_compactions_skipped == 1 and e.num_compactions >= 2
+    assert len(out.outputs[0]) == 30
+    assert_all_free(e)
+
+
+# ---- 坏输入 ----
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(kv_policy="sinks"), "--kv-budget"),
+    (dict(kv_budget=64), "--kv-budget"),
+    (dict(kv_positions="cache"), "--kv-positions"),
+    (dict(kv_policy="sinks", kv_budget=19), "--num-sinks"),                  # < 4 + 16
+    (dict(kv_policy="sinks", kv_budget=24, num_sinks=9), "--num-sinks"),     # < 9 + 16
+    (dict(kv_policy="window", kv_budget=15), "--block-size"),
+    (dict(kv_policy="h2o", kv_budget=15), "--block-size"),
+    (dict(kv_policy="h2o", kv_budget=32, h2o_recent=32), "--h2o-recent"),
+    (dict(kv_policy="snapkv", kv_budget=47), "--snapkv-window"),            # < 32 + 16
+    (dict(kv_policy="snapkv", kv_budget=64, snapkv_pool=4), "--snapkv-pool"),
+    (dict(kv_policy="window", kv_budget=32, num_sinks=2), "--num-sinks"),
+    (dict(kv_policy="sinks", kv_budget=32, h2o_recent=2), "--h2o-recent"),
+    (dict(kv_policy="h2o", kv_budget=32, snapkv_window=8), "--snapkv-window"),
+    (dict(kv_policy="h2o", kv_budget=32, snapkv_pool=3), "--snapkv-pool"),
+    (dict(kv_policy="sinks", kv_budget=32, spec_method="ngram"), "--spec-method"),
+    (dict(kv_policy="h2o", kv_budget=32, kv_dtype="int8"), "--kv-dtype"),
+    (dict(kv_policy="lru", kv_budget=32), "--kv-policy"),
+    (dict(kv_policy="window", kv_budget=32, kv_positions="slot"), "--kv-positions"),
+    (dict(kv_policy="window", kv_budget=0), "--kv-budget"),
+    (dict(max_model_len=0), "--max-model-len"),
+])
+def test_bad_eviction_config(kw, flag):
+    with pytest.raises(UserError) as e:
+        step12.EngineConfig(num_blocks=64, **kw).validate()
+    assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kv-policy", "sinks"], "--kv-budget"),
+    (["--kv-budget", "64"], "--kv-budget"),
+    (["--kv-policy", "window", "--kv-budget", "32", "--num-sinks", "2"], "--num-sinks"),
+    (["--kv-policy", "h2o", "--kv-budget", "32", "--spec-method", "ngram"], "--spec-method"),
+    (["--kv-policy", "h2o", "--kv-budget", "32", "--kv-dtype", "int8"], "--kv-dtype"),
+    (["--kv-policy", "sinks", "--kv-budget", "64", "--no-chunked-prefill"], "--no-chunked-prefill"),
+])
+def test_run_py_refuses_bad_flags_before_loading_the_model(argv, flag, capsys, tmp_path):
+    """--model 指向一个不存在的目录：报的是参数的错，说明检查在加载模型之前。"""
+    line = cli_error(run12, ["--prompt", "hi", "--model", str(tmp_path / "nowhere"), *argv], capsys)
+    assert flag in line
+
+
+def test_run_py_json_reports_kv_blocks(tiny_tok_dir):
+    r = run_py("step12_kv_eviction", "--prompt", "Once upon a time", "--prompt", "Hello", "--model", str(tiny_tok_dir),
+               "--max-new-tokens", "40", "--ignore-eos", "--kv-policy", "sinks", "--kv-budget", "12",
+               "--num-sinks", "4", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for res in out["results"]:
+        assert len(res["output_ids"]) == 40
+        assert res["kv_blocks"] <= res["kv_blocks_peak"] <= -(-(12 + 4 - 1 + 256) // 4)
+        assert res["kv_blocks"] <= 4                                    # 结束时最多 预算 + 一块 = 16 个槽
+    assert out["stats"]["compactions"] > 0
+
+
+# ---- 真实模型（一个短测试）----
+
+def test_real_model_full_equals_step09_and_a_covering_budget_equals_full(real):
+    ids = [real.tok.encode("The capital of France is"), real.tok.encode("def fibonacci(n):")]
+    reqs = [Request(i, 16, GREEDY, ignore_eos=True) for i in ids]
+    cfg = dict(num_blocks=32, block_size=16)
+    ref = step09.LLMEngine(real.model, step09.EngineConfig(**cfg)).generate(reqs)
+    full = step12.LLMEngine(real.model, step12.EngineConfig(**cfg)).generate(reqs)
+    assert full.outputs == ref.outputs and full.stats.num_forwards == ref.stats.num_forwards
+    e = step12.LLMEngine(real.model, step12.EngineConfig(**cfg, kv_policy="sinks", kv_budget=32))
+    assert e.generate(reqs).outputs == ref.outputs and e.num_compactions == 0
