@@ -197,11 +197,12 @@ class PagedKVCache:
         dst_block, dst_off = torch.tensor(new_table, device=dev)[dst // bs], dst % bs   # 各 (B,)
         heads = torch.arange(self.H_kv, device=dev)[:, None]                  # (H_kv, 1)：与 (H_kv, B) 的下标广播
         for layer in range(self.num_layers):
-            t = self.pool[layer]                                              # (2, num_blocks + 1, H_kv, bs, D)
-            kv = t[:, src_block[layer], heads, src_off[layer]]                # 拷出 (2, H_kv, B, D)：每个头自己的槽
-            if deltas is not None:
-                kv[0] = rerotate(kv[0], deltas[layer].to(dev), self.inv_freq)
-            t[:, dst_block, heads, dst_off] = kv                              # 写进新块的槽 0..B−1
+            for pool in self.tensors():                                       # 池子（量化时还有 scale：驱逐不与量化同开）
+                t = pool[layer]                                               # (2, num_blocks + 1, H_kv, bs, D)
+                kv = t[:, src_block[layer], heads, src_off[layer]]            # 拷出 (2, H_kv, B, D)：每个头自己的槽
+                if deltas is not None and pool is self.pool:
+                    kv[0] = rerotate(kv[0], deltas[layer].to(dev), self.inv_freq)
+                t[:, dst_block, heads, dst_off] = kv                          # 写进新块的槽 0..B−1
 
 
 @dataclass
