@@ -281,6 +281,30 @@ def test_engine_blend_ends(tiny):
 
 
 @one_arch
+@pytest.mark.parametrize("mode, ratio", [("concat", None), ("reuse", None), ("blend", 0.3)])
+def test_engine_writes_the_blended_kv(tiny, mode, ratio):
+    """引擎的拼段 prefill（块缓存读出、转位置、选择性重算、写进请求的块）与直接调用 blend.py 得到的 K/V 相同：
+    第一个请求把段存进去（未命中），第二个请求换了顺序、全部命中。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=2)
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, max_num_batched_tokens=64, max_batch_size=1,
+                                                           blend=mode, recompute_ratio=ratio))
+    for req, chunks in zip(reqs, marks):
+        rid = eng.add_request(req, chunks)
+        seq = eng.seqs[rid]
+        eng.step()                                               # 接纳：拼段的 prefill + 最后一个提示词 token
+        n = len(req.prompt_ids) - 1
+        got = read_kv(eng.kv_cache.pool, seq.block_table, n)
+        kv, reused = reused_kv(tiny.model, req.prompt_ids[:n], chunks, rotate=(mode != "concat"))
+        want = blend_prefill(tiny.model, req.prompt_ids[:n], kv, reused, mode, ratio or 0.0).kv
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert eng.chunk_store.hits == sum(map(len, marks)) - len({c for r, m in zip(reqs, marks) for c in
+                                                               (tuple(r.prompt_ids[s:e]) for s, e in m)})
+    all_blocks_back(eng)
+
+
+@one_arch
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_engine_chunk_store_under_memory_pressure(tiny, preempt):
     """池子小：存的段被请求要的块挤掉（同一条 LRU），请求被抢占（重算时再拼一次，换出时带着拼好的 K/V），
