@@ -94,8 +94,20 @@ def check_args(args) -> None:
         raise UserError("--rotate-docs needs --doc")
     if (args.doc is not None or args.chunk_sep is not None) and args.prompt is None:
         raise UserError("--doc / --chunk-sep mark chunks of --prompt: give --prompt")
+    if args.chunk_sep is not None:
+        for p in args.prompt:
+            split_prompt(p, args.chunk_sep)
     if not args.no_chunked_prefill:   # EngineConfig.validate 查的那些（--blend 与其他参数的组合），块数先随便给一个
         config_for(args, args.num_blocks or 1, args.max_batch_size, args.max_num_batched_tokens).validate()
+
+
+def split_prompt(prompt: str, sep: str) -> list[str]:
+    """--chunk-sep：在分隔符处切开，前面每片一段，最后一片是问题；都不能是空的。"""
+    parts = prompt.split(sep)
+    if len(parts) < 2 or not all(parts):
+        raise UserError(f"--prompt {prompt[:40]!r}: --chunk-sep {sep!r} must split it into "
+                        "non-empty chunks followed by a non-empty question")
+    return parts
 
 
 def config_for(args, num_blocks: int, max_batch_size: int, budget: int) -> step13.EngineConfig:
@@ -152,10 +164,7 @@ def prompts_with_chunks(args, s: cli.Session) -> tuple[list[list[int]], list]:
             k = i % len(args.doc) if args.rotate_docs else 0
             ids, chunks = build_prompt(s, args.doc[k:] + args.doc[:k], p, args.chat)
         elif args.chunk_sep is not None:
-            parts = p.split(args.chunk_sep)
-            if len(parts) < 2 or not parts[-1] or any(not x for x in parts[:-1]):
-                raise UserError(f"--prompt {p[:40]!r}: --chunk-sep {args.chunk_sep!r} must split it into "
-                                "non-empty chunks followed by a non-empty question")
+            parts = split_prompt(p, args.chunk_sep)
             ids, chunks = build_prompt(s, parts[:-1], parts[-1], args.chat)
         else:
             ids, chunks = s.tok.encode(p, args.chat), None
