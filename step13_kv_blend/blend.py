@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from common.errors import UserError
-from common.model import attention, rotate_half
+from common.model import apply_rope, attention, rotate_half
 
 BLEND_MODES = ("concat", "reuse", "blend")      # 走 blend_prefill 的模式
 ALL_MODES = ("none", "prefix") + BLEND_MODES      # --blend 的全部取值
@@ -79,7 +79,6 @@ def chunk_kv(model, token_ids: list[int], start: int = 0) -> torch.Tensor:
 def layer_qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """一层的 q、k、v（k 已做 RoPE），与 common/model.py 的 Attention.forward 前半段相同。
     x (1, m, E)，cos/sin (1, m, D) → q (1, H, m, D)，k、v (1, H_kv, m, D)。"""
-    from common.model import apply_rope
     attn, m = layer.self_attn, x.shape[1]
     h = layer.input_layernorm(x)
     q = attn.q_proj(h).view(1, m, attn.H, attn.D)
@@ -143,7 +142,6 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
         dev_score = ((new - old) ** 2).sum(dim=(0, 2))                           # (n,)
         dev_score[~reused] = -math.inf                                           # 只在复用的 token 里选
         top = int(ratio * int(reused.sum()))                                     # 向下取整（同 LMCache）：r = 1 时全选
-        selected = selected.clone()
         selected[dev_score.topk(top).indices] = True
         probe = n
 
@@ -227,15 +225,12 @@ def check_chunks(chunks, num_tokens: int, field: str = "chunks") -> list[tuple[i
     return out
 
 
-def check_model(model, kv_dtype=None) -> None:
-    """blend 能服务的模型：至少 2 层（检查层是第 1 层）、每层全注意力（滑动窗口的层 blend_prefill 不加窗口掩码）、
-    池子是模型的 dtype（量化的池子存的是码，转不了位置）。"""
+def check_model(model) -> None:
+    """blend 能服务的模型：至少 2 层（检查层是第 1 层）、每层全注意力（滑动窗口的层 blend_prefill 不加窗口掩码）。
+    池子必须是模型的 dtype（量化的池子存的是码，转不了位置）由 EngineConfig.validate 查。"""
     cfg = model.cfg
     if cfg.num_layers <= CHECK_LAYER:
         raise UserError(f"--blend needs a model with more than {CHECK_LAYER} layer(s) "
                         f"(the check layer is layer {CHECK_LAYER}); this one has {cfg.num_layers}")
     if any(w is not None for w in getattr(cfg, "layer_windows", ()) or ()):
         raise UserError("--blend does not serve sliding-window models (its forward has no window mask)")
-    if kv_dtype is not None and kv_dtype != str(model.dtype).removeprefix("torch."):
-        raise UserError(f"--blend needs the KV pool in the model's dtype (got --kv-dtype {kv_dtype}): "
-                        "stored chunks are re-rotated in place")

@@ -39,7 +39,8 @@ step13 加的非前缀复用：add_request(request, chunks=[(start, end), ...]) 
 后三种在请求被接纳、拿到块之后（调度器的 on_admit → _prefill_chunks）一次做完提示词前 n − 1 个 token 的 prefill：
 每段查块缓存（没有就单独算一遍、存进去），按模式拼、转位置、选择性重算，结果写进请求自己的块；最后一个提示词 token
 照常进这一步的前向、采样出第一个 token。段在这期间被持有（引用计数），不会被驱逐；它的块没人用时与前缀缓存的块排在
-同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
+同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它），StepStats 的 token 数
+只数普通前向的。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
 不出提示词位置的 logits）不能同时用。
 """
 from collections import deque

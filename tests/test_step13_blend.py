@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from common.errors import UserError
+from step04_static_batching.request import Request
+from step12_kv_eviction import engine as step12
+from step13_kv_blend import engine as step13
 from step13_kv_blend.blend import blend_prefill, check_chunks, check_model, check_ratio, chunk_kv, rerotate
 from step13_kv_blend.block_manager import BlockManager
 from step13_kv_blend.chunk_cache import ChunkStore, read_kv
@@ -204,14 +207,11 @@ def test_blend_refuses_a_one_layer_model(tmp_path):
     model = load_model(make_tiny_model_dir(tmp_path, num_hidden_layers=1), "cpu", torch.float32)
     with pytest.raises(UserError, match="more than 1 layer"):
         check_model(model)
-    with pytest.raises(UserError, match="kv-dtype"):
-        check_model(load_model(make_tiny_model_dir(tmp_path / "b"), "cpu", torch.float32), "int8")
+    with pytest.raises(UserError, match="more than 1 layer"):    # 引擎构造时就查
+        step13.LLMEngine(model, step13.EngineConfig(16, 4, blend="reuse"))
 
 
 # ---- 引擎 ----
-from step04_static_batching.request import Request  # noqa: E402
-from step12_kv_eviction import engine as step12  # noqa: E402
-from step13_kv_blend import engine as step13  # noqa: E402
 
 
 def rag_requests(vocab, n_docs=4, doc_len=(9, 23), q_len=6, n_req=3, seed=3, max_new=8):
