@@ -7,11 +7,13 @@
 [1] 相同：--blend none 与 step12（--kv-policy full）的贪心输出相同；blend 的 r = 0 与 reuse 的 logits 逐位相同；
     r = 1 与完整 prefill 的 logits 在容差内相同、贪心输出相同（分歧只在几乎打平处被接受）；一篇文档的 K 转到位置 p
     与在 p 处单独算相同（打印最大差）。
-[2] 质量（对照完整 prefill）：答案位置上（teacher forcing，标准答案接在提示词后面）的 KL(完整 ‖ 模式) 与 top-1 一致率，
+[2] 质量（对照完整 prefill）：答案位置上（teacher forcing：提示词后面接上答句，"The favorite color of X is" + 答案，
+    只比答案那几个 token 的位置）的 KL(完整 ‖ 模式) 与 top-1 一致率，
     每种模式、r ∈ {0, 0.05, 0.15, 0.3, 1}；引擎贪心生成的回答与完整 prefill 的相同的比例；答案正确率（小模型，仅供参考）。
-[3] 代价：每个请求的 TTFT（同一台机器、同一批请求、一个一个地跑，块缓存和前缀缓存都预先热好）与算了几个 token
+[3] 代价：每个请求的 TTFT（同一台机器、同一批请求，一次一个请求、各模式交替着跑，块缓存和前缀缓存都预先热好）与算了几个 token
     （折算成走完全部层的 token 数），对照完整 prefill 与前缀缓存。
 """
+import dataclasses
 import random
 import statistics
 
@@ -28,7 +30,7 @@ from step13_kv_blend.blend import CHECK_LAYER, blend_prefill, chunk_kv, rerotate
 
 STEP = "step13_kv_blend"
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
-MAX_NEW = 12       # 贪心回答的长度上限（--quick：6）
+MAX_NEW = 24       # 贪心回答的长度上限（--quick：16）：模型用一句话回答（"The mayor of … is …"）
 
 NAMES = ["Alice Moreau", "Bruno Castell", "Chen Wei", "Dara Okafor", "Elena Petrova", "Farid Haddad", "Greta Lind",
          "Hugo Brandt", "Ines Duarte", "Jonas Weber", "Kira Tanaka", "Liam O'Neill"]
@@ -52,7 +54,8 @@ FILLER = [
 
 
 def make_workload(rng: random.Random, n_requests: int, docs_per_request: tuple[int, int], filler: int):
-    """文档与请求。返回 (docs: 名字 → 文本, requests: [(文档名列表（已打乱）, 问题, 答案)])。"""
+    """文档与请求。返回 (docs: 名字 → 文本, requests: [(文档名列表（已打乱）, 问题, 答句的开头, 答案)])。
+    答句照模型自己回答的样子（"The favorite color of X is"），答案是开头后面的那个词或名字。"""
     people = list(zip(NAMES, rng.sample(TOWNS * 2, len(NAMES)), [rng.choice(JOBS) for _ in NAMES],
                       [rng.choice(COLORS) for _ in NAMES]))
     mayor = dict(zip(TOWNS, MAYORS))
@@ -72,15 +75,18 @@ def make_workload(rng: random.Random, n_requests: int, docs_per_request: tuple[i
         name, town, job, color = people[i % len(people)]
         if i % 3 == 2:                                       # 要两篇合起来
             q, a, need = f"Who is the mayor of the town where {name} was born?", mayor[town], [name, town]
+            lead = f"The mayor of the town where {name} was born is"
         elif i % 3 == 1:
             q, a, need = f"What is the job of {name}?", job, [name]
+            lead = f"{name} works as a"
         else:
             q, a, need = f"What is the favorite color of {name}?", color, [name]
+            lead = f"The favorite color of {name} is"
         k = rng.randint(*docs_per_request)
         others = rng.sample([d for d in docs if d not in need], k - len(need))
         chosen = need + others
         rng.shuffle(chosen)
-        requests.append((chosen, q, a))
+        requests.append((chosen, q, lead, a))
     return docs, requests
 
 
@@ -91,21 +97,22 @@ class Chapter:
         self.checks, self.figures = Checks(), {}
         rng = random.Random(13)
         n_req = 3 if self.quick else 24                         # --quick：三种问题各一个
-        self.max_new = 6 if self.quick else MAX_NEW
+        self.max_new = 16 if self.quick else MAX_NEW
         self.docs, self.work = make_workload(rng, n_req, (3, 3) if self.quick else (3, 6), 3 if self.quick else 14)
         tok = s.tok.hf
         head, tail = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                              add_generation_prompt=True).split("\x00")
         self.head = tok(head, add_special_tokens=False).input_ids
         self.doc_ids = {d: tok(t, add_special_tokens=False).input_ids for d, t in self.docs.items()}
-        self.reqs = []   # (prompt ids, chunks, answer ids, answer text)
-        for chosen, q, a in self.work:
+        self.reqs = []   # (prompt ids, chunks, 答句开头的 ids, 答案的 ids, 答案)
+        for chosen, q, lead, a in self.work:
             ids, chunks = list(self.head), []
             for d in chosen:
                 chunks.append((len(ids), len(ids) + len(self.doc_ids[d])))
                 ids += self.doc_ids[d]
             ids += tok(f"Question: {q} Answer with a single word or name." + tail, add_special_tokens=False).input_ids
-            self.reqs.append((ids, chunks, tok(a[0].upper() + a[1:] + ".", add_special_tokens=False).input_ids, a))
+            self.reqs.append((ids, chunks, tok(lead, add_special_tokens=False).input_ids,
+                              tok(" " + a + ".", add_special_tokens=False).input_ids, a))
         self.chunk_cache = {}                                   # 文档名 → 单独算的 K/V（块缓存存的就是它）
         self.modes = ["concat", "reuse"] + [f"blend{round(r * 100)}" for r in RATIOS]
         self.L = s.cfg.num_layers
@@ -122,7 +129,8 @@ class Chapter:
 
     @torch.inference_mode()
     def blended(self, ids, chunks, mode: str, ratio: float, n_answer: int):
-        """teacher forcing：提示词 + 标准答案一起过 blend_prefill，返回答案位置的 logits (A, V) 与 BlendResult。"""
+        """teacher forcing：提示词 + 答句（开头 + 答案）一起过 blend_prefill，返回预测最后 n_answer 个 token 的
+        logits (A, V) 与 BlendResult。"""
         model = self.s.model
         cfg = model.cfg
         n = len(ids)
@@ -156,21 +164,30 @@ class Chapter:
                 e = eng.chunk_store.put(ids, self.kv_of(ids))
                 eng.chunk_store.release(e)
 
-    def run_engine(self, mode: str):
-        """一个一个地跑全部请求（贪心，最多 self.max_new 个 token）：输出、TTFT、前缀缓存命中、块缓存复用。"""
-        blend, ratio = ("blend", int(mode[5:]) / 100) if mode.startswith("blend") else (mode, None)
-        eng = self.engine(blend, ratio)
-        self.warm(eng, blend)
-        misses0 = eng.chunk_store.misses
-        outs, ttft, cached, reused = [], [], [], []
-        for ids, chunks, _, _ in self.reqs:
-            r = eng.generate([Request(ids, self.max_new)], [chunks])
-            st = r.stats
-            outs.append(r.outputs[0])
-            ttft.append(st.first_token_s[0] - st.arrival_s[0])
-            cached.append(st.cached_tokens[0])
-            reused.append(st.reused_tokens[0])
-        return outs, ttft, cached, reused, eng.chunk_store.misses - misses0, pool_is_free(eng)
+    def run_engines(self, modes: list[str]) -> dict:
+        """全部模式并排量：两个引擎（前缀缓存关着的一个给 none 与各种拼段模式——标了段的请求本来就不读前缀缓存，
+        换模式只换 config.blend / recompute_ratio，块缓存热一次；开着前缀缓存的一个给 prefix），每个请求依次在每种模式下
+        跑一遍（交替，机器负载的起伏落在每种模式上的机会相同）。贪心，最多 self.max_new 个 token。
+        返回 模式 → (输出, TTFT, 前缀缓存命中, 块缓存复用, 量的时候块缓存有没有未命中)。"""
+        main, pre = self.engine("none"), self.engine("prefix")
+        self.warm(main, "reuse")
+        self.warm(pre, "prefix")
+        misses0 = main.chunk_store.misses
+        out = {m: ([], [], [], []) for m in modes}
+        for ids, chunks, *_ in self.reqs:
+            for m in modes:
+                blend, ratio = ("blend", int(m[5:]) / 100) if m.startswith("blend") else (m, None)
+                eng = pre if m == "prefix" else main
+                eng.config = dataclasses.replace(eng.config, blend=blend, recompute_ratio=ratio)
+                eng.config.validate()
+                r = eng.generate([Request(ids, self.max_new)], [chunks])
+                st = r.stats
+                for acc, v in zip(out[m], (r.outputs[0], st.first_token_s[0] - st.arrival_s[0], st.cached_tokens[0],
+                                           st.reused_tokens[0])):
+                    acc.append(v)
+        self.store_all_hit = main.chunk_store.misses == misses0
+        self.pools_free = pool_is_free(main) and pool_is_free(pre)
+        return out
 
     # ---- 章节 ----
     def run(self) -> bool:
@@ -192,9 +209,9 @@ class Chapter:
 
         full_logits, quality = [], {m: {"kl": [], "top1": []} for m in self.modes}
         r0_equal, r1_diff = True, 0.0
-        for ids, chunks, ans, _ in self.reqs:
-            seq = ids + ans
-            full = s.full_logits(seq)[len(ids) - 1:len(seq) - 1].float()     # (A, V)
+        for ids, chunks, lead, ans, _ in self.reqs:
+            seq = ids + lead + ans                                               # 只比答案那几个 token 的位置
+            full = s.full_logits(seq)[len(seq) - len(ans) - 1:len(seq) - 1].float()   # (A, V)
             full_logits.append(full)
             got = {}
             for m in self.modes:
@@ -209,8 +226,8 @@ class Chapter:
         c["blend r=1 logits equal full prefill (tolerance)"] = r1_diff < 10 * self.tol
         print(f"  r = 0 与 reuse 的答案位置 logits 逐位相同：{r0_equal}；r = 1 与完整 prefill 的最大差 {r1_diff:.2e}")
 
-        stage("\n[2][3] 引擎：贪心回答、TTFT、算了多少（一个一个地跑，缓存预先热好）")
-        runs = {m: self.run_engine(m) for m in ["none", "prefix"] + self.modes}
+        stage("\n[2][3] 引擎：贪心回答、TTFT、算了多少（一次一个请求、各模式交替，缓存预先热好）")
+        runs = self.run_engines(["none", "prefix"] + self.modes)
         ref12 = step12.LLMEngine(s.model, step12.EngineConfig(self.num_blocks, self.bs), s.tok,
                                  s.tok.eos_ids).generate([Request(r[0], self.max_new) for r in self.reqs]).outputs
         none_out = runs["none"][0]
@@ -222,16 +239,15 @@ class Chapter:
             for x in cmp:
                 if not x.equal:
                     c.note(x.describe())
-        c["chunk store: every chunk hit after warm-up, every block returned"] = all(
-            runs[m][4] == 0 and runs[m][5] for m in self.modes)
+        c["chunk store: every chunk hit after warm-up, every block returned"] = self.store_all_hit and self.pools_free
 
         P = [len(r[0]) for r in self.reqs]
         ttft_full = statistics.median(runs["none"][1])
         rows, curve = [], []
         for m in ["none", "prefix"] + self.modes:
-            outs, ttft, cached, reused, _, _ = runs[m]
+            outs, ttft, cached, reused = runs[m]
             same = sum(o == n for o, n in zip(outs, none_out)) / len(outs)
-            acc = sum(r[3].lower() in s.tok.decode(o).lower() for o, r in zip(outs, self.reqs)) / len(outs)
+            acc = sum(r[4].lower() in s.tok.decode(o).lower() for o, r in zip(outs, self.reqs)) / len(outs)
             probe = (CHECK_LAYER / self.L) * sum(P) if m.startswith("blend") else 0.0
             computed = (sum(P) - sum(cached) - sum(reused) + probe) / len(P)
             t = statistics.median(ttft)
