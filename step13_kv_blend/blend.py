@@ -99,11 +99,6 @@ class BlendResult:
     recomputed_tokens: int            # selected 的个数
     all_logits: Optional[torch.Tensor] = None   # (m, V)：每个重算的 token 的 logits（all_logits=True 时；按位置升序）
 
-    def layer_tokens(self, num_layers: int) -> float:
-        """折算成"完整算了几个 token"（一个 token 走完全部层 = 1）：选中的 + 检查之前的那几层
-        （检查层的 K/V 投影不算：不到一层的一小半）。"""
-        return self.recomputed_tokens + self.probe_tokens * CHECK_LAYER / num_layers
-
 
 def check_ratio(ratio) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
@@ -120,6 +115,8 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
     答案位置做 teacher forcing：它们在问题部分里，总被重算）。"""
     if mode not in BLEND_MODES:
         raise ValueError(f"mode must be one of {BLEND_MODES}, got {mode!r}")
+    if deviation_on not in ("k", "v"):
+        raise ValueError(f"deviation_on must be 'k' or 'v', got {deviation_on!r}")
     ratio = check_ratio(ratio)
     n, dev, layers = len(token_ids), model.device, model.layers
     ids = torch.tensor([token_ids], device=dev)                                  # (1, n)
