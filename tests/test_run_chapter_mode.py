@@ -38,6 +38,8 @@ REQUIRED_FIGURES = {
                            "top1_agreement_sinks4_512_cachepos", "nll_delta_h2o_512", "kv_bytes_ratio_sinks_vs_full",
                            "concurrent_long_requests_sinks", "h2o_score_overhead_decode",
                            "decode_step_ratio_vs_full_1k", "decode_step_ratio_under_budget_h2o_vs_step09"},
+    "step13_kv_blend": {"ttft_ratio_blend15_vs_full", "top1_agree_reuse", "top1_agree_blend15", "kl_concat",
+                        "answer_same_as_full_blend15", "rerotate_max_abs_diff"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 STEPS = ("step05_paged", "step06_prefix_cache", "step07_chunked_prefill", "step08_kv_quant", "step09_speculative",
-         "step10_tensor_parallel", "step12_kv_eviction")
+         "step10_tensor_parallel", "step12_kv_eviction", "step13_kv_blend")
 CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py 都有
     "--block-size": 5, "--num-blocks": 5, "--max-batch-size": 5, "--attention": 5, "--compile": 5,
     "--no-prefix-cache": 6, "--n": 6, "--max-num-batched-tokens": 7, "--no-chunked-prefill": 7,
@@ -17,8 +17,10 @@ CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py �
     "--draft-model": 9, "--tp": 10, "--pp": 10,
     "--kv-policy": 12, "--kv-budget": 12, "--num-sinks": 12, "--kv-positions": 12, "--h2o-recent": 12,
     "--snapkv-window": 12, "--snapkv-pool": 12, "--max-model-len": 12,
+    "--blend": 13, "--recompute-ratio": 13,
 }
-NOT_FROM = {"step12_kv_eviction": {"--tp", "--pp"}}   # step12 从 step09 出发：没有 step10 的张量并行
+NOT_FROM = {"step12_kv_eviction": {"--tp", "--pp"},   # step12 从 step09 出发：没有 step10 的张量并行
+            "step13_kv_blend": {"--tp", "--pp"}}      # step13 从 step12 出发
 RUN_PY_DEFAULTS = {"spec_method": None}   # run.py 改了默认值的字段：没给时按 --draft-model 推断
 
 

@@ -1,0 +1,149 @@
+"""按内容寻址的块缓存（chunk cache）：一段文本（一篇检索到的文档）的 K/V 只算一次，之后放在任何位置都能拿来用。
+
+前缀缓存（step06）的 key 是链式的：hash(前一块的 key, 这一块的 token)——同样的 token 前面换了内容，key 就不同，
+因为它们的 K/V 确实不同（每个 token 的隐藏状态看过前面的全部文本）。块缓存故意不这么做：key 只看这一段自己的 token，
+
+    chunk_key(token_ids) = hash(("chunk", token_ids))        与它在提示词里的位置、前面是什么都无关
+
+存的 K/V 是这一段**单独**算出来的（位置 0..n−1，前面什么也没有：CacheBlend / LMCache 预先算文档 K/V 的做法），
+所以拿来用时是近似的：位置要转（blend.py 的 rerotate），跨文档的注意力要补（blend.py 的选择性重算）。
+
+它住在同一个分页池子里，用的是前缀缓存的那套引用计数和 LRU（block_manager.py）：
+- 一段占 ceil(n / block_size) 块，每块作为一个"缓存块"登记在 BlockManager.cached / key_to_block 里
+  （key = hash(("chunk", 段的 key, 块序号))，原像里记着这一块的 token，最后一块可以不满）；
+- 正在用它的请求（acquire 到 release 之间）每个持一份引用：ref ≥ 1 的块不会被驱逐；
+- 没人用时引用为 0，块进 BlockManager.evictable，与没人用的前缀块排在同一条 LRU 里：池子不够时
+  allocate 从最久没用的开始驱逐（不论是前缀块还是段块）。段里任何一块被驱逐，这一段就失效：下次查到时
+  把剩下的块也还给空闲链表（lookup 里核对每一块的原像，同 match_prefix 的做法）。
+
+KV 的读写按"槽"：段里第 s 个 token 在 blocks[s // bs] 的第 s % bs 个位置；池子的布局同 kv_cache.py：
+(layers, 2, num_blocks + 1, H_kv, block_size, D)。
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .block_manager import BlockManager, CachedBlock
+
+
+def chunk_key(token_ids) -> int:
+    """段的 key：只看它自己的 token（与位置无关）。整数元组的 hash 跨进程稳定（见 block_manager.chain_hash）；
+    命中时核对 token，碰撞只会变成未命中。"""
+    return hash(("chunk", tuple(token_ids)))
+
+
+@dataclass
+class ChunkEntry:
+    key: int
+    token_ids: tuple[int, ...]
+    blocks: list[int]                 # 物理块，按顺序；段里第 s 个 token 在 blocks[s // bs] 的第 s % bs 个槽
+    records: list[CachedBlock]        # 每块登记在 BlockManager.cached 里的原像（核对"这块还是我的"用）
+    users: int = 0                    # 正在用它的请求数（acquire − release）
+
+
+def slot_index(blocks: list[int], n: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """前 n 个槽的 (物理块号, 块内偏移)，各 (n,)。"""
+    s = torch.arange(n)
+    b = torch.tensor(blocks, dtype=torch.long)[s // block_size]
+    return b.to(device), (s % block_size).to(device)
+
+
+def read_kv(pool: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
+    """池子里按块表存的前 n 个 token 的 K/V → (layers, 2, H_kv, n, D)（一份拷贝）。"""
+    b, off = slot_index(blocks, n, pool.shape[4], pool.device)
+    # pool[:, :, b, :, off]：两个下标张量被一个切片隔开，高级索引的维度 n 排到最前：(n, layers, 2, H_kv, D)
+    return pool[:, :, b, :, off].permute(1, 2, 3, 0, 4)
+
+
+def write_kv(pool: torch.Tensor, blocks: list[int], kv: torch.Tensor) -> None:
+    """kv (layers, 2, H_kv, n, D) → 写进块表 blocks 的前 n 个槽。"""
+    n = kv.shape[3]
+    b, off = slot_index(blocks, n, pool.shape[4], pool.device)
+    pool[:, :, b, :, off] = kv.permute(3, 0, 1, 2, 4).to(pool.dtype)      # (n, layers, 2, H_kv, D)
+
+
+class ChunkStore:
+    """段 key → 池子里的块。put / lookup 得到的段都已被调用方 acquire（引用 +1），用完必须 release。"""
+
+    def __init__(self, block_manager: BlockManager, pool: torch.Tensor):
+        self.bm, self.pool = block_manager, pool
+        self.entries: dict[int, ChunkEntry] = {}
+        self.hits = self.misses = self.stored = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _valid(self, e: ChunkEntry) -> bool:
+        """段的每一块都还登记着我们的原像（没有被驱逐后另作他用）。"""
+        return all(self.bm.cached.get(b) is r for b, r in zip(e.blocks, e.records))
+
+    def _forget(self, e: ChunkEntry) -> None:
+        """失效的段：还登记着、没人用的块直接回空闲链表（不必等 LRU 轮到它们）。"""
+        del self.entries[e.key]
+        for b, r in zip(e.blocks, e.records):
+            if self.bm.cached.get(b) is r and self.bm.ref_counts[b] == 0:
+                del self.bm.evictable[b]
+                del self.bm.key_to_block[r.key]
+                del self.bm.cached[b]
+                self.bm.free_blocks.append(b)
+
+    def lookup(self, token_ids) -> Optional[ChunkEntry]:
+        """命中：acquire 它（每块引用 +1，没人用的从 evictable 取出）并返回；没有或已失效：None。"""
+        token_ids = tuple(token_ids)
+        e = self.entries.get(chunk_key(token_ids))
+        if e is not None and (e.token_ids != token_ids or not self._valid(e)):
+            if e.token_ids == token_ids:
+                self._forget(e)
+            e = None
+        if e is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.acquire(e)
+        return e
+
+    def acquire(self, e: ChunkEntry) -> None:
+        for b in e.blocks:
+            if self.bm.ref_counts[b] == 0:
+                del self.bm.evictable[b]
+            self.bm.ref_counts[b] += 1
+        e.users += 1
+
+    def release(self, e: ChunkEntry) -> None:
+        """不再用：引用 −1；到 0 的块回到 evictable 的末尾（最近用过），池子不够时按 LRU 被驱逐。"""
+        if e.users <= 0:
+            raise RuntimeError(f"release of a chunk nobody holds ({len(e.token_ids)} tokens)")
+        e.users -= 1
+        self.bm.free(e.blocks)
+
+    def put(self, token_ids, kv: torch.Tensor) -> Optional[ChunkEntry]:
+        """存一段：kv (layers, 2, H_kv, n, D) 是它单独算出的 K/V（位置 0..n−1）。池子腾不出块（没人用的缓存块都驱逐了
+        还不够）时不存，返回 None——调用方照样用手上这份 K/V，只是下次还要再算。已有同样的段时返回那一段。
+        返回的段已被 acquire。"""
+        token_ids = tuple(token_ids)
+        old = self.lookup(token_ids)
+        if old is not None:
+            return old
+        self.misses -= 1                                 # 上面那次 lookup 不算一次未命中（调用方已经算过）
+        n_blocks = self.bm.blocks_for(len(token_ids))
+        if not self.bm.can_allocate(n_blocks):
+            return None
+        key, bs = chunk_key(token_ids), self.bm.block_size
+        keys = [hash(("chunk", key, i)) for i in range(n_blocks)]
+        if any(k in self.bm.key_to_block for k in keys):  # 64 位 hash 碰撞（几乎不会）：不存
+            return None
+        blocks = self.bm.allocate(n_blocks)              # 引用 1 = 存它的这个请求在用；可能驱逐别的段 / 前缀块
+        write_kv(self.pool, blocks, kv)
+        records = [CachedBlock(k, blocks[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
+                   for i, k in enumerate(keys)]
+        for b, r in zip(blocks, records):                # 登记成缓存块：没人用时进 evictable，与前缀块同一条 LRU
+            self.bm.cached[b], self.bm.key_to_block[r.key] = r, b
+        e = ChunkEntry(key, token_ids, blocks, records, users=1)
+        self.entries[key] = e
+        self.stored += 1
+        return e
+
+    def read(self, e: ChunkEntry) -> torch.Tensor:
+        """段存着的 K/V → (layers, 2, H_kv, n, D)（位置 0..n−1 的旋转）。"""
+        return read_kv(self.pool, e.blocks, len(e.token_ids))

@@ -1,0 +1,158 @@
+"""一个请求在引擎里的运行状态（vLLM / nano-vllm 叫 Sequence），以及引擎每一步交给调用方的 RequestOutput。
+
+Request（step04）只说用户要什么；Sequence 记"做到哪了"：已生成的 token、块表、KV 已进池子的 token 数、
+前缀缓存的账、这一轮 prefill 要算到哪（num_prefill_tokens）、状态（含被换出的 SWAPPED）、被抢占的次数，以及计时用的几个时刻（都来自
+引擎的时钟）。step09 加的投机解码：decode 中的请求每步可以带几个猜测（spec_token_ids，提议者给出）一起进前向；
+猜测不是请求的 token，不在 token_ids 里，验证后被接受的才 append 进来；spec_* 另几项是按请求的接受率账。
+logprobs（服务器要的，docs/11）：RequestOutput 带着每个新 token 的 Logprob；请求要了 prompt_logprobs 时，
+提示词各位置的 Logprob 跨分块 prefill 攒在 Sequence.prompt_logprobs 里，prefill 算完的那一步一次交出去。
+
+step12 加的 KV 驱逐：num_evicted 个 token 的 K/V 已经离开池子（token 本身还在 token_ids 里）。池子里存的不再是
+"前 num_computed_tokens 个 token"，而是 kv_len 个槽：最后一次压缩之后算的 token t 在槽 t − num_evicted，块表覆盖的是
+槽（槽 s 在 block_table[s // bs] 的第 s % bs 个），块数都按槽算。kv_scores 是 h2o / snapkv 给每个槽打的分；
+peak_blocks 是它一生中块表最长的时候，结束时连同当时的块数报告在 RequestOutput 里。
+
+step13 加的非前缀复用：chunks 是提示词里各段（文档）的 [start, end)。按 --blend 的模式，这样的请求的 prefill
+可能用了块缓存里的段 K/V（近似的）：approx_kv 为 True 时它的块不登记进前缀缓存（别的请求命中它会拿到不精确的 K/V），
+read_prefix_cache 为 False 时它也不读前缀缓存（none：完整 prefill；concat / reuse / blend：走块缓存）。
+"""
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+from step04_static_batching.request import Request
+
+from .swap import SwapHandle
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"     # 在等待队列里：还没有块（新来的，或被抢占后释放了全部块）
+    RUNNING = "running"     # 在运行集合里：持有块，每步都参与调度
+    SWAPPED = "swapped"     # 被换出：池子里的块已还回去，前 num_computed_tokens 个 token 的 K/V 在第二层
+    FINISHED = "finished"   # 生成完毕或被 abort，块已还回去
+
+
+class Logprob(NamedTuple):
+    """一个位置的 logprob：模型的原始分布 log_softmax(logits) 里这个 token 的 log 概率，与最可能的 k 个（engine.token_logprobs）。"""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]   # (token id, logprob)，从大到小
+
+
+@dataclass
+class RequestOutput:
+    """step() 的返回值里每个请求一项：这一步新产出的 token、是否结束、为什么结束。"""
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str] = None   # "stop"（EOS 或停止字符串）/ "length"（max_new_tokens）/ "abort"
+    num_cached_tokens: int = 0            # 提示词里有几个 token 直接用了前缀缓存
+    error: Optional[Exception] = None      # finish_reason 为 "error" 时：这个请求自己的采样或猜测抛出的异常
+    logprobs: Optional[list[Logprob]] = None   # 请求要了 logprobs 时：与 new_token_ids 一一对应
+    # 请求要了 prompt_logprobs 时，只在 prefill 算完的那一步给一次：提示词每个 token 一项，第 0 个没有前文，是 None
+    prompt_logprobs: Optional[list[Optional[Logprob]]] = None
+    # step12：只在结束的那一项给：结束时块表有几块、一生中最多几块（驱逐时后者也不随 token 数增长）
+    kv_blocks: Optional[int] = None
+    kv_blocks_peak: Optional[int] = None
+    # step13：只在结束的那一项给：提示词里有几个 token 的 K/V 来自块缓存（没重算）、段里几个被 blend 选中重算
+    reused_tokens: Optional[int] = None
+    recomputed_tokens: Optional[int] = None
+
+
+@dataclass(eq=False)   # 运行状态按对象区分：两个请求内容相同也是两个（`in`、list.remove 按身份比较）
+class Sequence:
+    request_id: int
+    request: Request
+    generator: torch.Generator    # 每个请求一个，用它自己的 seed：与 step03 单独生成时消耗同一串随机数
+    arrival_time: float           # add_request 时的时钟读数（秒）
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    block_table: list[int] = field(default_factory=list)   # 第 i 个逻辑块 → 物理块号
+    num_computed_tokens: int = 0  # 前多少个 token 的 K/V 已经写进池子（vLLM V1 的名字）；其余的下一次前向要算
+    num_cached_tokens: Optional[int] = None   # 第一次被接纳时命中前缀缓存的 token 数（None = 还没被接纳过）
+    num_registered_blocks: int = 0            # 块表开头已经登记进前缀缓存（或本来就是命中得来）的满块数
+    num_preemptions: int = 0
+    swap_handle: Optional[SwapHandle] = None   # SWAPPED 时：它的块在第二层的哪里
+    num_prefill_tokens: int = field(init=False)   # 这一轮 prefill 要算到第几个 token：提示词长；被抢占重算时是那时的全部 token
+    # 计时（秒，引擎时钟的读数）
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)   # 每个输出 token 产出的时刻
+    stall_time: float = 0.0       # 已经有输出、却因为这一步在给别人做 prefill 而干等的时间
+    # step09：投机解码
+    spec_token_ids: list[int] = field(default_factory=list)   # 这一步要验证的猜测（每步开头给出，验证完清空）
+    spec_probs: Optional[torch.Tensor] = None   # (len(spec_token_ids), V)：猜测是从哪些分布 q 抽的；None = one-hot
+    num_spec_proposed: int = 0    # 一共验证过几个猜测
+    num_spec_accepted: int = 0    # 其中被接受的
+    spec_recent: list[float] = field(default_factory=list)   # 最近几次验证各自的接受率（按请求关掉投机用）
+    spec_paused_steps: int = 0    # > 0：接受率太低，这么多步里不猜（engine.py 的 SPEC_* 常数）
+    prompt_logprobs: list[Logprob] = field(default_factory=list)   # 提示词第 1、2…… 个 token 的，按位置攒（prompt_logits）
+    # step12：KV 驱逐
+    num_evicted: int = 0          # 多少个 token 的 K/V 已经离开池子（它们还在 token_ids 里）
+    kv_scores: Optional[torch.Tensor] = None   # (layers, H_kv, 容量) float32：h2o 的累计注意力 / snapkv 的投票，按槽
+    peak_blocks: int = 0          # 块表最长时有几块
+    # step13：非前缀复用（blend.py、chunk_cache.py）
+    chunks: Optional[list[tuple[int, int]]] = None   # 提示词里各段的 [start, end)；None = 没有标记
+    read_prefix_cache: bool = True   # False：接纳时不查前缀缓存
+    approx_kv: bool = False          # True：K/V 是拼出来的（近似）：不登记进前缀缓存
+    num_reused_tokens: int = 0       # 最近一次 prefill 里 K/V 来自块缓存、没有重算的提示词 token
+    num_recomputed_tokens: int = 0   # 段里的 token 被 blend 选中、逐层重算的（问题部分不算）
+
+    def __post_init__(self):
+        self.num_prefill_tokens = len(self.request.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """还在（重新）prefill：K/V 还没算到 num_prefill_tokens。算完的那一步采样出 token，之后是 decode
+        （num_computed_tokens = num_tokens − 1：最后一个 token 刚采样出来，还没算）。"""
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def prompt_logits(self) -> range:
+        """请求要了 prompt_logprobs 时还要 logits 的提示词位置：位置 p 的 logits 给出第 p+1 个提示词 token 的 logprob，
+        所以是 已攒的个数 .. 提示词长 − 2（被抢占后重算时已攒的不再算）。plan 为它们多排 logits 行；前缀缓存不替它们算
+        （block_manager.match_prefix）。"""
+        if self.request.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs), len(self.request.prompt_ids) - 1)
+
+    @property
+    def kv_len(self) -> int:
+        """step12：池子里存着这个请求几个槽的 K/V（没驱逐过时就是 num_computed_tokens）。"""
+        return self.num_computed_tokens - self.num_evicted
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """step09：这一步的前向一直算到哪：已有的 token 加上要验证的猜测。"""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    def trim_spec(self, n: int) -> None:
+        """step09：只留前 n 个猜测（预算、块、max_new_tokens 不够时）。"""
+        self.spec_token_ids = self.spec_token_ids[:max(n, 0)]
+        if self.spec_probs is not None:
+            self.spec_probs = self.spec_probs[:len(self.spec_token_ids)] if self.spec_token_ids else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """提示词 + 已生成：要算 K/V 的全部 token（采样器分开要 request.prompt_ids 与 output_ids）。"""
+        return self.request.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, eos_ids, tokenizer=None) -> Optional[str]:
+        """记下一个新 token；按与 step03 相同的条件判断是否该停，返回结束原因（还没结束为 None）：
+        Request.stops（EOS 或 stop_token_ids 里的 token，都算进输出；新生成的文本里出现停止字符串；生成满 min_tokens
+        之前都不算）→ "stop"；生成满 max_new_tokens → "length"。两者同时成立时算 "stop"（与 vLLM 相同）。"""
+        self.output_ids.append(token)
+        if self.request.stops(self.output_ids, eos_ids, tokenizer):
+            return "stop"
+        return "length" if len(self.output_ids) == self.request.max_new_tokens else None
