@@ -35,7 +35,7 @@ PLAN = {
                 streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512", "snapkv_512"],
                 sweep_tokens=4096, sweep=["sinks4_256_cachepos", "sinks4_1024_cachepos", "sinks4_2048_cachepos",
                                           "h2o_256", "h2o_1024", "h2o_2048", "snapkv_256", "snapkv_1024", "snapkv_2048"],
-                passkey_lens=[1024, 4096], passkey_depths=[0.1, 0.5, 0.9],
+                passkey_lens=[1024, 2048], passkey_depths=[0.1, 0.5, 0.9],
                 passkey_inside=["full", "window_512", "sinks4_512_cachepos", "h2o_512", "snapkv_512", "snapkv_1024"],
                 passkey_after=["h2o_512", "snapkv_512", "snapkv_1024"], passkey_chunked=["snapkv_512"],
                 greedy_context=1024, greedy_new=32,
