@@ -52,16 +52,18 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1        # 503 时告诉客户端多久以后再试
     max_logprobs: Optional[int] = None   # logprobs 的 k 的上限（vLLM 的 max_logprobs）；None = 引擎不算 logprobs
+    chunk_marks: bool = False     # 引擎的 add_request 收段标记吗（step13）：completions 的 chunk_separator
 
 
 DEFAULT_MAX_LOGPROBS = 20         # 与 vLLM 的 max_logprobs 默认值相同
 
 
 def settings_for(session, engine, block_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **kw) -> ServerSettings:
-    from .engines import computes_logprobs
+    from .engines import accepts_chunks, computes_logprobs
     return ServerSettings(Path(session.path).name, session.cfg.max_position_embeddings, session.cfg.vocab_size,
                           engine.block_manager.num_blocks * block_size,
-                          max_logprobs=max_logprobs if computes_logprobs(engine) else None, **kw)
+                          max_logprobs=max_logprobs if computes_logprobs(engine) else None,
+                          chunk_marks=accepts_chunks(engine), **kw)
 
 
 class AbortOnExitStreamingResponse(StreamingResponse):
@@ -252,6 +254,7 @@ async def chat_completions(request: Request):
     s = request.app.state.settings
     req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
     check_model(s, req.model)
+    P.chunk_marks(req, request.app.state.tok, s.chunk_marks)          # 给了 chunk_separator：400，说明为什么
     ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages)   # 模板与分词不占事件循环
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
@@ -264,12 +267,18 @@ async def completions(request: Request):
     s = request.app.state.settings
     req = P.parse_request(P.CompletionRequest, await read_json(request))
     check_model(s, req.model)
-    try:
-        prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size)
-    except UserError as e:
-        raise P.APIError(400, str(e), param="prompt") from None
+    marked = await asyncio.to_thread(P.chunk_marks, req, request.app.state.tok, s.chunk_marks)   # step13 的段标记
+    if marked is not None:
+        prompts, chunks = marked
+    else:
+        try:
+            prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size)
+        except UserError as e:
+            raise P.APIError(400, str(e), param="prompt") from None
+        chunks = None
     max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
-    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs,
+                             chunks)
     echo = None
     if req.echo:   # 字符串提示词原样带回（与 OpenAI、vLLM 相同），token id 的提示词带回它的解码
         raw = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt

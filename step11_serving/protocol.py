@@ -7,7 +7,9 @@
   choices 为空、带 usage 的 chunk（此前每个 chunk 的 usage 都是 null）；最后是 `data: [DONE]`；
 - 错误：{"error": {"message", "type", "param", "code"}}，code 是 HTTP 状态码（vLLM 的做法）；
 - logprobs（completions 的 `logprobs: k` 与 `echo`，chat 的 `logprobs: true, top_logprobs: k`）：只有算它们的引擎
-  （step09、step10）接受，k 至多 --max-logprobs；线上的形状在 logprobs.py。
+  （step09、step10）接受，k 至多 --max-logprobs；线上的形状在 logprobs.py；
+- chunk_separator（completions 的扩展字段，只有 --engine step13 接受）：字符串提示词在分隔符处切开，前面每片是一段
+  （检索到的文档），最后一片是问题——LMCache 的 blend_special_str 的做法；分词与 step13 的 run.py --chunk-sep 相同。
 
 数值字段严格按 JSON 类型检查（"0.5" 不是数字、"yes" 不是布尔值），取值范围由 step02 的 SamplingParams.validate
 和引擎的 add_request 检查——同一份规则，命令行和 HTTP 给出同样的错误信息。
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from common.errors import UserError
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
+from step13_kv_blend.chunk_cache import build_prompt, split_prompt   # 段标记的分词：与 step13 的 run.py 同一份
 
 MAX_N = 16                      # 一个请求最多要几个样本（OpenAI 允许 128；CPU 上 16 已经是好几批）
 # 停止字符串的上限。OpenAI 允许 4 个；常见的客户端（对话模板的几个结束标记）偶尔多于 4 个，所以放宽到 16 个、
@@ -105,6 +108,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[StrictInt] = None   # 新版 OpenAI 的名字；优先于 max_tokens
     logprobs: Optional[StrictBool] = None      # true：每个生成的 token 带 logprob（与最可能的 top_logprobs 个）
     top_logprobs: Optional[StrictInt] = None
+    chunk_separator: object = None             # 只有 completions 收；这里认识它，为的是 400 时说清楚为什么（chunk_marks）
     tools: object = None
     tool_choice: object = None
     parallel_tool_calls: object = None
@@ -125,6 +129,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
     logprobs: Optional[StrictInt] = None       # k：每个 token 的 logprob 与最可能的 k 个（旧格式）
     echo: Optional[StrictBool] = None          # text 以提示词开头；与 logprobs 一起时提示词的 token 也带 logprob
+    chunk_separator: Optional[StrictStr] = None   # 扩展（step13）：提示词在它处切开，前面每片一段、最后一片是问题
     best_of: object = None
     suffix: object = None
 
@@ -217,8 +222,9 @@ def _show(v) -> str:
 
 @dataclass
 class ServedRequest(Request):
-    """服务器的请求：引擎的 Request（step04）加上只有文本那一侧（async_engine 的增量解码器）用的选项；引擎不看它。"""
+    """服务器的请求：引擎的 Request（step04）加上只有文本那一侧（async_engine 的增量解码器）用的选项；引擎不看它们。"""
     include_stop_str_in_output: bool = False   # 文本里保留停止串（或结束它的那个停止 token 的文本），同 vLLM
+    chunks: Optional[tuple] = None             # 例外：段标记，async_engine 给了才作为 add_request 的第二个参数交给引擎
 
 
 @dataclass
@@ -263,6 +269,45 @@ def encode_prompts(tok, prompt, vocab_size: int) -> list[list[int]]:
     return out
 
 
+def chunk_marks(req, tok, accepts_chunks: bool) -> Optional[tuple[list[list[int]], list[tuple]]]:
+    """chunk_separator → (每个提示词的 token id, 每个提示词的段)；没给时 None（照常用 encode_prompts）。
+    分词与 step13 的 run.py --chunk-sep 相同（step13_kv_blend.chunk_cache 的 split_prompt / build_prompt）：
+    每段单独分词、不加特殊 token、首尾相接，分隔符不进提示词。不能用的情形 400，指名 chunk_separator。"""
+    sep = req.chunk_separator
+    if sep is None:
+        return None
+    name = "chunk_separator"
+
+    def refuse(why: str):
+        raise APIError(400, f"{name}: {why}", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        refuse("only /v1/completions with a string prompt can mark chunks: the chat template wraps the messages "
+               "(its opening before the first chunk, its closing after the question), so the text the client sent "
+               "is not the prompt the chunks would be cut from")
+    if not accepts_chunks:
+        refuse("this server's engine does not reuse chunks (serve with --engine step13)")
+    if not isinstance(sep, str) or not sep:
+        refuse("must be a non-empty string")
+    raw = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not raw:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if not all(isinstance(p, str) for p in raw):
+        refuse("needs the prompt as text (a string or a list of strings), not token ids: the chunks are cut "
+               "at the separator in the text")
+    if req.echo:
+        refuse("cannot be combined with echo (the model never sees the separators that the echoed text would contain)")
+    ids, chunks = [], []
+    for p in raw:
+        try:
+            parts = split_prompt(p, sep, ("prompt", name))
+            i, c = build_prompt(tok, parts[:-1], parts[-1], chat=False)
+        except UserError as e:
+            raise APIError(400, str(e), param=name) from None
+        ids.append(i)
+        chunks.append(tuple(c))
+    return ids, chunks
+
+
 def sampling_params(req: _SamplingRequest) -> SamplingParams:
     """OpenAI 的默认值（temperature 1、top_p 1）；top_k 的 -1 是 vLLM 的"不限制"，我们的是 0。"""
     top_k = req.top_k if req.top_k is not None else 0
@@ -305,17 +350,18 @@ def logprob_counts(req: _SamplingRequest, max_tokens: Optional[int],
     if max_logprobs is None and (k is not None or prompt is not None):
         which = "logprobs" if k is not None else "max_tokens"
         raise APIError(400, f"{which}: this server's engine does not compute logprobs (serve with --engine step09, "
-                            f"step10 or step12)", param=which)
+                            f"step10, step12 or step13)", param=which)
     if k is not None and k > max_logprobs:
         raise APIError(400, f"{name} must be at most {max_logprobs} (the server's --max-logprobs), got {k}", param=name)
     return k, prompt
 
 
 def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: Optional[int],
-                  default_max_tokens, max_logprobs: Optional[int] = None) -> EngineInputs:
+                  default_max_tokens, max_logprobs: Optional[int] = None, chunks: Optional[list] = None) -> EngineInputs:
     """max_tokens 为 None 时用 default_max_tokens(prompt_ids)（chat：一直生成到上下文或池子放不下为止）。
     n 个样本的种子是 S, S+1, ..., S+n-1（Request.parallel_samples，与 step06 起 run.py 的 --n 相同），
-    所以与引擎直接生成的样本逐 token 相同。max_logprobs：logprobs 的 k 的上限（None = 引擎不算 logprobs）。"""
+    所以与引擎直接生成的样本逐 token 相同。max_logprobs：logprobs 的 k 的上限（None = 引擎不算 logprobs）。
+    chunks：每个提示词的段标记（chunk_marks 给的；n 个样本共用）。"""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -330,11 +376,12 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
     logprobs, prompt_logprobs = logprob_counts(req, max_tokens, max_logprobs)
     params = sampling_params(req)
     requests = []
-    for ids in prompts:
+    for k, ids in enumerate(prompts):
         n_new = max_tokens if max_tokens is not None else default_max_tokens(ids)
         requests += ServedRequest(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs,
-                                  include_stop_str_in_output=req.include_stop_str_in_output).parallel_samples(req.n)
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  chunks=None if chunks is None else chunks[k]).parallel_samples(req.n)
     return EngineInputs(requests, sum(len(ids) for ids in prompts))
 
 

@@ -18,11 +18,16 @@
 
 KV 的读写按"槽"：段里第 s 个 token 在 blocks[s // bs] 的第 s % bs 个位置；池子的布局同 kv_cache.py：
 (layers, 2, num_blocks + 1, H_kv, block_size, D)。
+
+段怎么标出来（文件末尾的 split_prompt / build_prompt；run.py 的 --doc / --chunk-sep 与第 11 章服务器的
+chunk_separator 字段共用，所以同一段文本在两边分出同样的 token 与段）：每段单独分词、首尾相接，最后是问题。
 """
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from common.errors import UserError
 
 from .block_manager import BlockManager, CachedBlock
 
@@ -147,3 +152,44 @@ class ChunkStore:
     def read(self, e: ChunkEntry) -> torch.Tensor:
         """段存着的 K/V → (layers, 2, H_kv, n, D)（位置 0..n−1 的旋转）。"""
         return read_kv(self.pool, e.blocks, len(e.token_ids))
+
+
+# ---------------- 段的标记：文本 → token id 与各段的 [start, end) ----------------
+CHAT_SLOT = "\x00CHUNKS\x00"   # 对话模板里"用户消息"的位置：模板在它前后的部分各自分词
+
+
+def split_prompt(prompt: str, sep: str, names: tuple[str, str] = ("--prompt", "--chunk-sep")) -> list[str]:
+    """LMCache 的做法（它的 blend_special_str，默认 " # # "）：在分隔符处切开，前面每片一段，最后一片是问题；
+    都不能是空的，分隔符本身不进提示词。names：报错时怎么称呼提示词与分隔符（run.py 的参数名 / 服务器的字段名）。"""
+    parts = prompt.split(sep)
+    if len(parts) < 2 or not all(parts):
+        raise UserError(f"{names[0]} {prompt[:40]!r}: {names[1]} {sep!r} must split it into "
+                        "non-empty chunks followed by a non-empty question")
+    return parts
+
+
+def piece_ids(tok, text: str) -> list[int]:
+    ids = tok.hf(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise UserError(f"a chunk encodes to zero tokens: {text[:40]!r}")
+    return ids
+
+
+def build_prompt(tok, docs: list[str], question: str, chat: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """文档各自分词（不加特殊 token）、首尾相接，再接问题 → (token id, 各段的 [start, end))。
+    chat：对话模板的开头在第一段前、结尾在问题后。tok：common.tokenizer.Tokenizer。"""
+    head, tail = "", ""
+    if chat:
+        if not tok.hf.chat_template:
+            raise UserError("--chat: this tokenizer has no chat template")
+        rendered = tok.hf.apply_chat_template([{"role": "user", "content": CHAT_SLOT}], tokenize=False,
+                                              add_generation_prompt=True)
+        head, tail = rendered.split(CHAT_SLOT)
+    ids = tok.hf(head, add_special_tokens=False).input_ids if head else []
+    chunks = []
+    for d in docs:
+        d_ids = piece_ids(tok, d)
+        chunks.append((len(ids), len(ids) + len(d_ids)))
+        ids += d_ids
+    ids += piece_ids(tok, question + tail)
+    return ids, chunks

@@ -30,8 +30,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step13_kv_blend import engine as step13  # noqa: E402
-
-CHAT_SLOT = "\x00CHUNKS\x00"   # 对话模板里"用户消息"的位置：模板在它前后的部分各自分词
+from step13_kv_blend.chunk_cache import build_prompt, split_prompt  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -101,15 +100,6 @@ def check_args(args) -> None:
         config_for(args, args.num_blocks or 1, args.max_batch_size, args.max_num_batched_tokens).validate()
 
 
-def split_prompt(prompt: str, sep: str) -> list[str]:
-    """--chunk-sep：在分隔符处切开，前面每片一段，最后一片是问题；都不能是空的。"""
-    parts = prompt.split(sep)
-    if len(parts) < 2 or not all(parts):
-        raise UserError(f"--prompt {prompt[:40]!r}: --chunk-sep {sep!r} must split it into "
-                        "non-empty chunks followed by a non-empty question")
-    return parts
-
-
 def config_for(args, num_blocks: int, max_batch_size: int, budget: int) -> step13.EngineConfig:
     return step13.EngineConfig(
         num_blocks, args.block_size, max_batch_size, budget, not args.no_prefix_cache, attention=args.attention,
@@ -130,42 +120,16 @@ def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budge
                             clock, draft_model=draft_model)
 
 
-def piece_ids(s: cli.Session, text: str) -> list[int]:
-    ids = s.tok.hf(text, add_special_tokens=False).input_ids
-    if not ids:
-        raise UserError(f"a chunk encodes to zero tokens: {text[:40]!r}")
-    return ids
-
-
-def build_prompt(s: cli.Session, docs: list[str], question: str, chat: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """文档各自分词、首尾相接，再接问题 → (token id, 各段的 [start, end))。--chat：模板的开头在第一段前、结尾在问题后。"""
-    head, tail = "", ""
-    if chat:
-        if not s.tok.hf.chat_template:
-            raise UserError("--chat: this tokenizer has no chat template")
-        rendered = s.tok.hf.apply_chat_template([{"role": "user", "content": CHAT_SLOT}], tokenize=False,
-                                                add_generation_prompt=True)
-        head, tail = rendered.split(CHAT_SLOT)
-    ids = s.tok.hf(head, add_special_tokens=False).input_ids if head else []
-    chunks = []
-    for d in docs:
-        d_ids = piece_ids(s, d)
-        chunks.append((len(ids), len(ids) + len(d_ids)))
-        ids += d_ids
-    ids += piece_ids(s, question + tail)
-    return ids, chunks
-
-
 def prompts_with_chunks(args, s: cli.Session) -> tuple[list[list[int]], list]:
     """每个 --prompt 的 token id 与它的段（没标段时 None）。"""
     out_ids, out_chunks = [], []
     for i, p in enumerate(args.prompt):
         if args.doc is not None:
             k = i % len(args.doc) if args.rotate_docs else 0
-            ids, chunks = build_prompt(s, args.doc[k:] + args.doc[:k], p, args.chat)
+            ids, chunks = build_prompt(s.tok, args.doc[k:] + args.doc[:k], p, args.chat)
         elif args.chunk_sep is not None:
             parts = split_prompt(p, args.chunk_sep)
-            ids, chunks = build_prompt(s, parts[:-1], parts[-1], args.chat)
+            ids, chunks = build_prompt(s.tok, parts[:-1], parts[-1], args.chat)
         else:
             ids, chunks = s.tok.encode(p, args.chat), None
         ctx = args.max_model_len or s.cfg.max_position_embeddings

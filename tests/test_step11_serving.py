@@ -528,7 +528,7 @@ def test_graceful_shutdown_frees_everything(tok):
 
 # ---------------- 引擎登记表 ----------------
 
-@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08", "step12"])
+@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08", "step12", "step13"])
 def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
     """--engine stepNN 的参数就是那一步 EngineConfig 的字段（默认值取自 EngineConfig）；num_blocks 不给时按那一步的预算换算。"""
     import dataclasses
@@ -582,6 +582,91 @@ def test_step12_eviction_engine_is_served(tiny_session):
                       (("--kv-policy", "h2o", "--kv-budget", "16", "--spec-method", "ngram"), "--spec-method")):
         with pytest.raises(UserError, match=name):
             real_engine("step12", s, *bad)
+
+
+
+DOCS = ("Freedonia's capital is Fredville.\n", "Sylvania exports cheese and tin.\n")
+
+
+def test_step13_chunk_separator_is_served(tiny_session):
+    """--engine step13 --blend reuse + completions 的 chunk_separator：服务器在分隔符处切开提示词，每段单独分词
+    （不加特殊 token）、首尾相接，分隔符不进提示词；贪心输出 == 同一个 step13 引擎直接拿到同样的 id 与段。
+    第二个请求换了文档的顺序：两段都从块缓存命中。结束后每一块都回到池子。"""
+    from step11_serving.api_server import settings_for
+    s = tiny_session
+    sep, question = " # # ", "What does Sylvania export?"
+    orders = (DOCS, DOCS[::-1])
+
+    def marked(docs):                               # 不经 step13 的函数，按约定自己拼：(ids, 段)
+        ids, chunks = [], []
+        for d in docs:
+            d_ids = s.tok.hf(d, add_special_tokens=False).input_ids
+            chunks.append((len(ids), len(ids) + len(d_ids)))
+            ids += d_ids
+        return ids + s.tok.hf(question, add_special_tokens=False).input_ids, chunks
+
+    ref_engine = real_engine("step13", s, "--blend", "reuse")
+    refs = [ref_engine.generate([Request(ids, 8, SamplingParams(), ignore_eos=True)], [chunks]).outputs[0]
+            for ids, chunks in map(marked, orders)]
+    assert ref_engine.chunk_store.hits == 2
+    engine = real_engine("step13", s, "--blend", "reuse")
+    assert settings_for(s, engine, 4).chunk_marks and not settings_for(s, real_engine("step12", s), 4).chunk_marks
+    server = Served(engine, s.tok, chunk_marks=True, max_logprobs=5)
+    try:
+        for k, docs in enumerate(orders):
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "prompt": sep.join([*docs, question]), "chunk_separator": sep, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            assert ch["prompt_token_ids"] == marked(docs)[0]
+            assert ch["token_ids"] == refs[k]
+            assert len(ch["logprobs"]["token_logprobs"]) == 8
+            assert (engine.chunk_store.stored, engine.chunk_store.hits) == (2, 2 * k)   # 第二次：两段都命中
+        server.wait_idle()
+        assert server.pool_is_free()
+    finally:
+        server.stop()
+
+
+def test_step13_chunk_separator_refusals(tiny_session, fake_server):
+    """chunk_separator 不能用的地方各自 400，指名字段并说出原因（旧代码对这个字段只说"不认识"）。"""
+    s = tiny_session
+    server = Served(real_engine("step13", s, "--blend", "blend"), s.tok, chunk_marks=True)
+    ok = {"prompt": "doc one # # doc two # # question?", "chunk_separator": " # # ", "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**ok, "prompt": [1, 2, 3]}, "not token ids"),
+        ("/v1/completions", {**ok, "prompt": [[1, 2, 3]]}, "not token ids"),
+        ("/v1/completions", {**ok, "chunk_separator": ""}, "non-empty string"),
+        ("/v1/completions", {**ok, "chunk_separator": 7}, "string"),
+        ("/v1/completions", {**ok, "prompt": "no separator here"}, "must split it into non-empty chunks"),
+        ("/v1/completions", {**ok, "prompt": "doc one # #  # # question?"}, "must split it into non-empty chunks"),
+        ("/v1/completions", {**ok, "prompt": "doc one # # "}, "must split it into non-empty chunks"),
+        ("/v1/completions", {**ok, "prompt": ["doc # # q?", "no separator"]}, "must split it into non-empty chunks"),
+        ("/v1/completions", {**ok, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ok["prompt"]}],
+                                  "chunk_separator": " # # "}, "chat template"),
+    ]
+    try:
+        for path, body, why in cases:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "chunk_separator", (body, r.text)
+            assert why in err["message"] and "unknown field" not in err["message"], (body, err)
+        # 引擎自己的检查（这里：超出上下文）照常 400；一批两个字符串提示词可以
+        r = httpx.post(server.url + "/v1/completions", json={**ok, "max_tokens": 100000}, timeout=60)
+        assert r.status_code == 400, r.text
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={**ok, "prompt": [ok["prompt"], "doc two # # doc one # # question?"], "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        assert server.engine.chunk_store.hits == 2
+        server.wait_idle()
+        assert server.pool_is_free()
+    finally:
+        server.stop()
+    r = httpx.post(fake_server.url + "/v1/completions", json=ok, timeout=60)      # 别的引擎：段标记没人用
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chunk_separator", r.text
+    assert "--engine step13" in r.json()["error"]["message"]
 
 
 def test_step10_tensor_parallel_engine_is_served(tiny_tok_dir):
