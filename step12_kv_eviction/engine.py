@@ -277,7 +277,10 @@ class LLMEngine:
         self.model, self.config = model, config
         self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
         self.clock = clock or WallClock()
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # h2o / snapkv 的分数来自请求自己每个 query 的注意力：命中前缀缓存的 token 没有算过 query，分数就缺了一块，
+        # 留下哪些 token 会随缓存里碰巧有什么而变。所以这两种策略不查前缀缓存（同 prompt logprobs 的请求）
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          config.enable_prefix_caching and config.kv_policy not in ("h2o", "snapkv"))
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
             self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
                                          config.attention, kv_format(config.kv_dtype, model.dtype))
