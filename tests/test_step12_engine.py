@@ -55,11 +55,13 @@ def assert_all_free(e) -> None:
 _FULL = {}
 
 
-def full_reference(tiny):
-    """requests() 在 full 下的结果（每个小模型只跑一次，几个测试共用）。"""
-    if tiny.arch not in _FULL:
-        _FULL[tiny.arch] = engine(tiny.model).generate(requests())
-    return _FULL[tiny.arch]
+def full_reference(tiny, prefix_cache: bool = True):
+    """requests() 在 full 下的结果（每个小模型、查不查前缀缓存各只跑一次，几个测试共用）。h2o / snapkv 不查前缀缓存
+    （engine.py），它们的参照是 prefix_cache=False 的 full：输出相同，共享前缀的请求前向的形状不同。"""
+    key = (tiny.arch, prefix_cache)
+    if key not in _FULL:
+        _FULL[key] = engine(tiny.model, enable_prefix_caching=prefix_cache).generate(requests())
+    return _FULL[key]
 
 
 def test_full_equals_step09(tiny):
@@ -96,7 +98,7 @@ def test_budget_covering_the_request_equals_full(tiny, policy, positions):
     reqs, bs = requests(), BASE["block_size"]
     longest = max(LENGTHS) + 30 - 2
     knobs = dict(snapkv_window=8) if policy == "snapkv" else {}
-    ref = full_reference(tiny)
+    ref = full_reference(tiny, prefix_cache=policy not in ("h2o", "snapkv"))
     e = engine(tiny.model, kv_policy=policy, kv_budget=longest - bs + 1, kv_positions=positions, **knobs)
     out = e.generate(reqs)
     assert e.num_compactions == 0
