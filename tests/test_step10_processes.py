@@ -87,10 +87,13 @@ def test_a_worker_killed_by_a_signal_is_reported_and_the_rest_cleaned_up(model_d
     assert not dist.is_initialized() and not multiprocessing.active_children()
 
 
-def test_ctrl_c_is_handled_by_rank_0_alone(model_dir):
+def test_ctrl_c_is_handled_by_rank_0_alone(model_dir, request):
     """终端里的 Ctrl-C 发给整个进程组：worker 不理 SIGINT（它还在，下一步照常算），由 rank 0 收尾——KeyboardInterrupt
     穿过 launch，进程全部退出、进程组拆掉（run.py 再把它打印成一行 `error: interrupted`，与每一步的 run.py 相同）。"""
     requests = [Request([3, 4, 5, 6], 5), Request([7, 8, 9], 5)]
+    # 终端里的 Python 进程对 SIGINT 的默认处理是抛 KeyboardInterrupt；同一个 pytest 进程里先跑的测试可能换过它，这里显式恢复
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with pytest.raises(KeyboardInterrupt):
         with launch(2, 1, serve_worker, (model_dir, "cpu", torch.float32), threads=1, timeout=TEST_TIMEOUT) as par:
             engine = LLMEngine(load_shard(model_dir, par, "cpu", torch.float32), EngineConfig(32, 4, 4, 16),
