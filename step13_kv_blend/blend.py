@@ -32,7 +32,9 @@ from typing import Optional
 import torch
 
 from common.errors import UserError
-from common.model import apply_rope, attention, rotate_half
+from common.model import apply_rope, attention
+
+from . import eviction
 
 BLEND_MODES = ("concat", "reuse", "blend")      # 走 blend_prefill 的模式
 ALL_MODES = ("none", "prefix") + BLEND_MODES      # --blend 的全部取值
@@ -46,9 +48,7 @@ def rerotate(k: torch.Tensor, delta, model) -> torch.Tensor:
     在 float32 里转，再回到 k 的 dtype。linear / llama3 缩放只改 θ_i，仍是纯旋转，公式照样成立。"""
     n = k.shape[-2]
     delta = torch.as_tensor(delta, device=k.device).expand(n)                    # (n,)
-    cos, sin = model.rope(delta[None], torch.float32)                            # 各 (1, n, D)
-    k32 = k.float()
-    return (k32 * cos[0] + rotate_half(k32) * sin[0]).to(k.dtype)                # (..., n, D)
+    return eviction.rerotate(k, delta, model.rope.inv_freq)                      # 与压紧时同一个旋转：(..., n, D)
 
 
 # ---- 段的 K/V：单独算（位置 start..start+n−1，前面什么也没有）----
