@@ -91,7 +91,9 @@ def test_ctrl_c_is_handled_by_rank_0_alone(model_dir, request):
     """终端里的 Ctrl-C 发给整个进程组：worker 不理 SIGINT（它还在，下一步照常算），由 rank 0 收尾——KeyboardInterrupt
     穿过 launch，进程全部退出、进程组拆掉（run.py 再把它打印成一行 `error: interrupted`，与每一步的 run.py 相同）。"""
     requests = [Request([3, 4, 5, 6], 5), Request([7, 8, 9], 5)]
-    # 终端里的 Python 进程对 SIGINT 的默认处理是抛 KeyboardInterrupt；同一个 pytest 进程里先跑的测试可能换过它，这里显式恢复
+    # 终端里的 Python 进程对 SIGINT 的默认处理是抛 KeyboardInterrupt。但由非交互 shell 放到后台（`cmd &`）启动的进程
+    # 继承"忽略 SIGINT"（POSIX：没有作业控制时后台命令忽略 SIGINT 与 SIGQUIT），Python 这时不装 default_int_handler，
+    # pytest 与它的 xdist worker 从第一个测试起就是 SIG_IGN（不是哪个测试漏改的）。所以这里显式装上、测完换回
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with pytest.raises(KeyboardInterrupt):
