@@ -115,7 +115,7 @@ def check_memory(s: cli.Session, checks: dict) -> dict:
 
 def benchmark(args, s: cli.Session, hf, kvb: int, checks: dict, notes: list) -> tuple[dict, dict]:
     """同一提示词、几种生成长度：step02（朴素）/ cat / 预分配 的总时间、TTFT、TPOT、复制量；再比 HF、llama.cpp（装了的话）与 roofline。"""
-    lengths = [16, 32, 64] if args.quick else [32, 64, 128, 256]
+    lengths = [16, 32] if args.quick else [32, 64, 128, 256]
     repeats = 3 if args.quick else 5
     bandwidth = memory_bandwidth(s.device)                                     # 先测带宽：roofline 的分母
     ids = s.encode(CHAPTER_PROMPTS[0][1], False, max(lengths))

@@ -24,9 +24,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, lm_head_std: float | None = None,
+                        **overrides) -> Path:
     """用 transformers 的配置类离线造一个随机小模型（hidden 64，4 个 query 头 / 2 个 KV 头），存成 HF 目录。
-    只供单元测试：结构与真实模型相同，数值没有意义。"""
+    只供单元测试：结构与真实模型相同，数值没有意义。lm_head_std：LM head 权重改用这个标准差（默认随配置初始化）。"""
     from transformers import (AutoModelForCausalLM, LlamaConfig, MinistralConfig, MistralConfig, Qwen2Config,
                               Qwen3Config)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
@@ -37,6 +38,9 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overri
     kw.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32)
+    if lm_head_std is not None:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, lm_head_std)
     model.save_pretrained(path)
     return path
 
@@ -86,11 +90,15 @@ one_arch = pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 @pytest.fixture(scope="session")
 def tiny_tok_dir(tmp_path_factory) -> Path:
     """随机小模型，但词表、分词器、对话模板、EOS 与默认模型相同：给要处理文本的测试（章节模式、命令行）用。
-    只读默认模型目录里的小文件，不加载它的权重。"""
+    只读默认模型目录里的小文件，不加载它的权重。
+    LM head 的权重标准差取 1（配置默认 0.02）：默认初始化的 logits 只有 ±0.5 左右，49152 个 token 的分布几乎是均匀的，
+    top-p 0.95 要留下约 4.6 万个 token——每次带 top-p 的抽样都要把整个词表 topk 一遍（apply_top_p 为训练过的模型设计：
+    核心集合几十个 token），章节模式与 bench/decode_speed.py 的 --quick 在这个模型上一半左右的时间花在这上面。
+    标准差 1 时核心集合是几个到几十个 token，像真实模型；检查与断言都不变。"""
     from common.config import ModelConfig, eos_token_ids
     from common.prepare import prepare_default_model
     real_dir = prepare_default_model()
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok"), "llama",
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok"), "llama", lm_head_std=1.0,
                                vocab_size=ModelConfig.from_dir(real_dir).vocab_size, max_position_embeddings=2048,
                                eos_token_id=sorted(eos_token_ids(real_dir))[0])
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

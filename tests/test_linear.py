@@ -122,7 +122,8 @@ def test_real_model_packed_vs_plain(real):
     plain = load_model(real.path, "cpu", torch.float32, "plain")
     assert linear_impl(real.model) == "packed"
     worst = 0.0
-    for name, text, chat in CHAPTER_PROMPTS:
+    prompts = [CHAPTER_PROMPTS[0], CHAPTER_PROMPTS[3]]   # 一个续写、一个套对话模板的：两个够了（打包与提示词内容无关）
+    for name, text, chat in prompts:
         ids = real.encode(text, chat)
         diff = (logits(real.model, ids) - logits(plain, ids)).abs().max().item()
         worst = max(worst, diff)
@@ -131,7 +132,7 @@ def test_real_model_packed_vs_plain(real):
         c = compare(f"packed vs plain, {name}", ids, ref, got, lambda h: logits(plain, h), MARGIN_TOL[torch.float32])
         print(c.describe())
         assert c.ok, c.describe()
-    print(f"max |Δlogits| packed vs plain over {len(CHAPTER_PROMPTS)} prompts: {worst:.2e}")
+    print(f"max |Δlogits| packed vs plain over {len(prompts)} prompts: {worst:.2e}")
     assert worst < 2e-4          # 与 test_model 对 HF 的界相同：两种求和顺序，末位不同
 
 

@@ -16,7 +16,11 @@ def hf(real):
     return load_hf_model(real.path, "cpu", torch.float32)
 
 
-@pytest.mark.parametrize("name,text,chat", CHAPTER_PROMPTS, ids=[p[0] for p in CHAPTER_PROMPTS])
+# 两个章节提示词够了（一个续写、一个套对话模板）：run.py 的章节模式在真实模型上对全部四个都与 HF 比
+HF_PROMPTS = [CHAPTER_PROMPTS[0], CHAPTER_PROMPTS[3]]
+
+
+@pytest.mark.parametrize("name,text,chat", HF_PROMPTS, ids=[p[0] for p in HF_PROMPTS])
 def test_greedy_equals_hf_generate(real, hf, name, text, chat):
     ids = real.encode(text, chat)
     ref = hf_greedy(hf, ids, 24, real.tok.eos_ids)

@@ -270,8 +270,10 @@ def test_processing_order_matches_hf_generate(real):
         torch.testing.assert_close(ours.softmax(-1), processed.softmax(-1), rtol=1e-5, atol=1e-7)
 
 
-def test_chapter_checks_c_d_b(real):
-    """run.py 章节模式的 (b)(c)(d) 检查在真实模型上全部通过（(a) 由下面的逐 token 测试覆盖）。"""
+def test_chapter_checks_c_d_b(real, monkeypatch):
+    """run.py 章节模式的 (b)(c)(d) 检查在真实模型上全部通过（(a) 由下面的逐 token 测试覆盖）。
+    (b) 只生成 8 个 token（章节模式 16 个）：同一个检查，step02 每步整段重算，token 少一半就快一半。"""
+    monkeypatch.setattr(step02_run, "SEED_NEW_TOKENS", 8)
     checks = {}
     step02_run.check_distributions(real, checks)
     step02_run.check_repetition_penalty(real, checks)
@@ -308,16 +310,16 @@ def test_eos_stops_and_is_kept_tiny(tiny):
 
 def test_stop_strings_real(real):
     ids = real.encode("The days of the week are Monday,")
-    full = generate(real.model, ids, 16, SamplingParams(), ignore_eos=True)
+    full = generate(real.model, ids, 10, SamplingParams(), ignore_eos=True)   # 停止串取自前 8 个：10 个够了
     # 停止字符串取前 8 个 token 解码结果的末尾 6 个字符（通常跨 token）；它第一次完整出现在第 n 个 token
     stop = real.tok.decode(full[:8])[-6:]
     n = next(i for i in range(1, len(full) + 1) if stop in real.tok.decode(full[:i]))
-    got = generate(real.model, ids, 16, SamplingParams(), stop_strings=["@@@", stop], tokenizer=real.tok)
+    got = generate(real.model, ids, 10, SamplingParams(), stop_strings=["@@@", stop], tokenizer=real.tok)
     assert got == full[:n]                                             # 停在补全它的 token，并且保留这个 token
     assert stop in real.tok.decode(got) and stop not in real.tok.decode(got[:-1])
     # 只在新生成的文本里找：只出现在提示词里的串不会让生成停下
     assert "week are" not in real.tok.decode(full)
-    assert generate(real.model, ids, 16, SamplingParams(), ignore_eos=True, stop_strings=["week are"],
+    assert generate(real.model, ids, 10, SamplingParams(), ignore_eos=True, stop_strings=["week are"],
                     tokenizer=real.tok) == full
     with pytest.raises(ValueError):
         generate(real.model, ids, 4, SamplingParams(), stop_strings=["x"])
@@ -326,10 +328,10 @@ def test_stop_strings_real(real):
 def test_greedy_equals_step01_real_prompts(real):
     """--temperature 0 与 --top-k 1 对任意提示词都等于 step01（这里两个章节外的提示词）。"""
     for text, chat in (("Water boils at", False), ("Name three fruits.", True)):
-        ids = real.encode(text, chat, 12)
-        ref = generate_step01(real.model, ids, 12, real.tok.eos_ids)
-        assert generate(real.model, ids, 12, SamplingParams(), real.tok.eos_ids) == ref
-        assert generate(real.model, ids, 12, SamplingParams(temperature=0.7, top_k=1), real.tok.eos_ids) == ref
+        ids = real.encode(text, chat, 8)
+        ref = generate_step01(real.model, ids, 8, real.tok.eos_ids)
+        assert generate(real.model, ids, 8, SamplingParams(), real.tok.eos_ids) == ref
+        assert generate(real.model, ids, 8, SamplingParams(temperature=0.7, top_k=1), real.tok.eos_ids) == ref
 
 
 # ---------------------------------------------------------------- run.py
