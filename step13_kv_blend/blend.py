@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from common.errors import UserError
-from common.model import apply_rope, attention
+from common.model import apply_rope
 
 from . import eviction
 
@@ -61,7 +62,7 @@ class _Capture:
 
     def attend(self, layer_idx, q, k, v):
         self.kv[layer_idx] = torch.stack((k[0], v[0]))                           # (2, H_kv, n, D)
-        return attention(q, k, v)
+        return attend(q, k, v)
 
 
 @torch.inference_mode()
@@ -88,6 +89,21 @@ def layer_qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)           # (1, heads, m, D)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """common/model.py 的 attention 同一个算式（GQA 不复制 K/V，mask 里 True = 可以看，None = 因果），换成 PyTorch 融合的
+    scaled_dot_product_attention：它不把 (H, m, n) 的分数整个写出来再 masked_fill、softmax。朴素的那个在 n 上千时
+    占了这个前向的大头（1,422 个 token、r = 1：注意力 9.5 s / 整个 13.9 s），融合的快约 5 倍，差在 1e-6。
+    q (1, H, m, D)，k/v (1, H_kv, n, D) → (1, H, m, D)。每个 query 至少看得到位置 0，没有整行被遮住的情况。"""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
+def layer_rest(layer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """一层注意力之后的部分：o_proj + 残差，再 MLP + 残差。x (1, m, E)，out (1, H, m, D) → (1, m, E)。"""
+    attn, m = layer.self_attn, x.shape[1]
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(1, m, attn.H * attn.D))                 # (1, m, E)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 @dataclass
@@ -132,7 +148,7 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
     if mode == "blend" and reused.any():
         x = model.embed_tokens(ids)                                              # (1, n, E)
         for layer in layers[:CHECK_LAYER]:
-            x = layer(x, cos, sin)                                               # 没有缓存：普通的因果注意力
+            x = layer_rest(layer, x, attend(*layer_qkv(layer, x, cos, sin)))    # 没有缓存：普通的因果注意力
         _, k_new, v_new = layer_qkv(layers[CHECK_LAYER], x, cos, sin)            # 各 (1, H_kv, n, D)
         new = (k_new if deviation_on == "k" else v_new)[0].float()               # (H_kv, n, D)
         old = kv[CHECK_LAYER, 0 if deviation_on == "k" else 1].float()           # (H_kv, n, D)
@@ -154,10 +170,7 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
         for l, layer in enumerate(layers):
             q, k, v = layer_qkv(layer, x, cos_s, sin_s)                          # (1, H, m, D), (1, H_kv, m, D)
             kv[l, 0][:, idx], kv[l, 1][:, idx] = k[0], v[0]                      # 新的盖掉复用的（只在这个请求里）
-            out = attention(q, kv[l, 0][None], kv[l, 1][None], mask)             # (1, H, m, D)
-            attn = layer.self_attn
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, m, attn.H * attn.D))   # (1, m, E)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer_rest(layer, x, attend(q, kv[l, 0][None], kv[l, 1][None], mask))   # (1, m, E)
         if idx[-1] == n - 1:
             logits = model.lm_head(model.norm(x[:, -1:])).float()[0, 0]         # (V,)
     rows = model.lm_head(model.norm(x)).float()[0] if m and all_logits else None          # (m, V)
