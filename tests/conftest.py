@@ -87,24 +87,28 @@ def tiny(request, tmp_path_factory) -> Tiny:
 one_arch = pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 
 
-@pytest.fixture(scope="session")
-def tiny_tok_dir(tmp_path_factory) -> Path:
-    """随机小模型，但词表、分词器、对话模板、EOS 与默认模型相同：给要处理文本的测试（章节模式、命令行）用。
-    只读默认模型目录里的小文件，不加载它的权重。
-    LM head 的权重标准差取 1（配置默认 0.02）：默认初始化的 logits 只有 ±0.5 左右，49152 个 token 的分布几乎是均匀的，
-    top-p 0.95 要留下约 4.6 万个 token——每次带 top-p 的抽样都要把整个词表 topk 一遍（apply_top_p 为训练过的模型设计：
-    核心集合几十个 token），章节模式与 bench/decode_speed.py 的 --quick 在这个模型上一半左右的时间花在这上面。
-    标准差 1 时核心集合是几个到几十个 token，像真实模型；检查与断言都不变。"""
+def make_tiny_tok_model_dir(path: Path, **overrides) -> Path:
+    """随机小模型，但词表、分词器、对话模板、EOS 与默认模型相同（overrides 交给 make_tiny_model_dir）。
+    只读默认模型目录里的小文件，不加载它的权重。"""
     from common.config import ModelConfig, eos_token_ids
     from common.prepare import prepare_default_model
     real_dir = prepare_default_model()
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_tok"), "llama", lm_head_std=1.0,
-                               vocab_size=ModelConfig.from_dir(real_dir).vocab_size, max_position_embeddings=2048,
-                               eos_token_id=sorted(eos_token_ids(real_dir))[0])
+    make_tiny_model_dir(path, "llama", vocab_size=ModelConfig.from_dir(real_dir).vocab_size,
+                        max_position_embeddings=2048, eos_token_id=sorted(eos_token_ids(real_dir))[0], **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (real_dir / name).exists():
             shutil.copy(real_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(tmp_path_factory) -> Path:
+    """make_tiny_tok_model_dir 的模型：给要处理文本的测试（章节模式、命令行）用。
+    LM head 的权重标准差取 1（配置默认 0.02）：默认初始化的 logits 只有 ±0.5 左右，49152 个 token 的分布几乎是均匀的，
+    top-p 0.95 要留下约 4.6 万个 token——每次带 top-p 的抽样都要把整个词表 topk 一遍（apply_top_p 为训练过的模型设计：
+    核心集合几十个 token），章节模式与 bench/decode_speed.py 的 --quick 在这个模型上一半左右的时间花在这上面。
+    标准差 1 时核心集合是几个到几十个 token，像真实模型；检查与断言都不变。"""
+    return make_tiny_tok_model_dir(tmp_path_factory.mktemp("tiny_tok"), lm_head_std=1.0)
 
 
 def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None,

@@ -1,13 +1,11 @@
 """step09 的 analysis/spec_sweep.py（docs/09 练习 7）：在随机小模型上跑通，每个 k 一行、字段齐全、step08 与 step09 的
 token 相同；step09 的输出被改坏时，脚本报告不同并以退出码 1 结束。只查结构与正确性，不查计时。"""
 import json
-import shutil
 
 import pytest
-from conftest import make_tiny_model_dir
+from conftest import make_tiny_tok_model_dir
 
 from common.cli import open_session
-from common.config import ModelConfig, eos_token_ids
 from step09_speculative.analysis import spec_sweep
 
 FIELDS = {"k", "verify_cost", "step08_s", "step09_s", "generated_tokens", "accepted_per_verification",
@@ -15,16 +13,10 @@ FIELDS = {"k", "verify_cost", "step08_s", "step09_s", "generated_tokens", "accep
 
 
 @pytest.fixture(scope="module")
-def copycat_dir(tiny_tok_dir, tmp_path_factory):
-    """同 tiny_tok_dir（默认模型的分词器），但输入输出共用嵌入矩阵：随机权重时 logits ≈ 嵌入 · 嵌入，模型一直重复上一个
+def copycat_dir(tmp_path_factory):
+    """默认模型的分词器（make_tiny_tok_model_dir），但输入输出共用嵌入矩阵：随机权重时 logits ≈ 嵌入 · 嵌入，模型一直重复上一个
     token——prompt lookup 于是真的能猜中，step09 真的在验证、接受猜测（不共用时随机模型的输出几乎不重复，一次也不猜）。"""
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("copycat"), "llama",
-                               vocab_size=ModelConfig.from_dir(tiny_tok_dir).vocab_size, max_position_embeddings=2048,
-                               eos_token_id=sorted(eos_token_ids(tiny_tok_dir))[0], tie_word_embeddings=True)
-    for f in tiny_tok_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, path / f.name)
-    return path
+    return make_tiny_tok_model_dir(tmp_path_factory.mktemp("copycat"), tie_word_embeddings=True)
 
 
 def test_sweep_gives_one_exact_row_per_k(copycat_dir):
