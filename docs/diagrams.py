@@ -31,21 +31,22 @@ DPI = 110
 FREE, USED, CACHED, EVICT = "#d9d9d9", "#9ecae1", "#a1d99b", "#fdae6b"
 DECODE, PREFILL_A, PREFILL_B, POOL = "#6baed6", "#fd8d3c", "#fdd0a2", "#c7e9c0"
 
-# 附录阶梯表里的数字：`python bench/decode_speed.py --json` 完整模式（N = 128，3 轮中位数，2 线程，机器空闲，
-# load avg 0.9 → 1.8）。附录的表换成新一次运行的输出时，这里跟着改，再重画。
+# 附录阶梯表里的数字：`python bench/decode_speed.py --json` 完整模式（2026-12-02，N = 128，3 轮中位数，2 线程，
+# 机器空闲，load avg 1.0 → 1.7；第 1 级起是 packed 权重；llama.cpp 一侧是 llama-server，只有 F32 一行）。
+# 附录的表换成新一次运行的输出时，这里跟着改，再重画。
 # (行名, ms/步, 其中矩阵乘 ms（None = 没有剖析）, 种类)
 LADDER = [
-    ("0 step03（common/model.py 原样）", 60.5, 39.3, "exact"),
-    ("1 + 融合 QKV、gate/up", 55.6, 33.7, "exact"),
-    ("2 + SDPA 注意力", 51.8, 35.6, "exact"),
-    ("3 + 静态形状（eager）", 58.1, 31.0, "exact"),
-    ("4 + torch.compile（静态形状）", 44.9, 31.2, "exact"),
-    ("× 直接 compile step03", 72.4, None, "exact"),
-    ("int8 权重 + compile（有损）", 117.7, 103.9, "lossy"),
-    ("llama.cpp F32", 22.8, None, "llamacpp"),
-    ("llama.cpp Q8_0（有损）", 10.6, None, "llamacpp"),
-    ("llama.cpp Q4_1（有损）", 10.2, None, "llamacpp"),
+    ("0 step03（plain：x @ W）", 85.6, 47.3, "exact"),
+    ("0 step03（packed：加载时打包）", 80.9, 50.5, "exact"),
+    ("1 + 融合 QKV、gate/up", 72.1, 47.1, "exact"),
+    ("2 + SDPA 注意力", 72.6, 52.4, "exact"),
+    ("3 + 静态形状（eager）", 69.7, 52.7, "exact"),
+    ("4 + torch.compile（静态形状）", 63.0, 51.7, "exact"),
+    ("× 直接 compile step03", 111.5, None, "exact"),
+    ("int8 权重 + compile（有损）", 114.3, 113.6, "lossy"),
+    ("llama.cpp F32（llama-server）", 37.5, None, "llamacpp"),
 ]
+LLAMA_F32_MS, LEVEL4_MATMUL_MS = 37.5, 51.7
 
 
 # ---------- 画框与箭头的小工具 ----------
@@ -333,10 +334,11 @@ def decode_ladder(out: Path) -> Path:
             ax.barh(i, total - matmul, left=matmul, color=USED, edgecolor="black", linewidth=0.6)
         ax.text(total + 1, i, f"{total:.1f}", va="center", fontsize=9)
     ax.set_yticks(range(len(names)), names, fontsize=9)
-    ax.axvline(22.8, color="#1b7837", linestyle="--", linewidth=1)
-    ax.text(23.5, 0, "llama.cpp F32 一步 22.8 ms", color="#1b7837", fontsize=9, va="center")
-    ax.axvline(31.2, color="#08519c", linestyle=":", linewidth=1)
-    ax.text(32, 1, "第 4 级光矩阵乘（MKL 的 GEMV）就要 31.2 ms", color="#08519c", fontsize=9, va="center")
+    ax.axvline(LLAMA_F32_MS, color="#1b7837", linestyle="--", linewidth=1)
+    ax.text(LLAMA_F32_MS + 0.7, 0.5, f"llama.cpp F32 一步 {LLAMA_F32_MS} ms", color="#1b7837", fontsize=9, va="center")
+    ax.axvline(LEVEL4_MATMUL_MS, color="#08519c", linestyle=":", linewidth=1)
+    ax.text(LEVEL4_MATMUL_MS + 0.8, 1.5, f"第 4 级光矩阵乘（oneDNN 打包的内核）就要 {LEVEL4_MATMUL_MS} ms", color="#08519c",
+            fontsize=9, va="center")
     ax.set_title("decode 一步的时间：我们的阶梯与 llama.cpp（同一份权重、同样 2 个线程）", fontsize=11)
     ax.set_xlabel("decode 一步 (ms)")
     ax.set_xlim(0, 130)
