@@ -66,7 +66,7 @@ PREEMPT_CHOICES = ("recompute", "swap")
 SPEC_METHODS = ("none", "ngram", "draft")
 # 按请求关掉投机：一个请求最近 SPEC_WINDOW 次验证的平均接受率低于 SPEC_MIN_ACCEPTANCE，就有 SPEC_PAUSE_STEPS 步
 # 不猜（照常 decode），然后重新试。验证 k 个猜测要花 c(k) 次 decode 的时间，划算要 接受率 > (c(k) − 1) / k：
-# 空闲的 2 核 CPU 上 c(4) = 1.84，保本点 0.21；0.5 是有意定高的保守值（理由见 docs/09 第 10 节），换了硬件就重量 c(k)
+# 空闲的 2 核 CPU 上 c(4) = 1.30（packed 权重；plain 时 1.84），保本点约 0.08；0.5 是有意定高的保守值（理由见 docs/09 第 10 节），换了硬件就重量 c(k)
 SPEC_WINDOW = 4
 SPEC_MIN_ACCEPTANCE = 0.5
 SPEC_PAUSE_STEPS = 16
