@@ -817,3 +817,11 @@ def test_first_fit_allocator_accounting_and_fragmentation():
     assert cont.frag_refusals > 0 and cont.unusable_at_refusal and min(cont.unusable_at_refusal) >= 40
     assert paged.frag_refusals == 0 and paged.steps < cont.steps
     assert cont.admitted == paged.admitted == 4
+
+
+def test_decode_bench_counts_packed_matmuls_as_linear_layers():
+    """默认的 packed 线性层在剖析里是 mkldnn::_linear_pointwise：它必须算进"线性层矩阵乘"，不能落进"其它算子"。"""
+    from step05_paged.analysis.decode_bench import CATEGORIES, categorize
+    assert categorize("mkldnn::_linear_pointwise", [[8, 576], [576]]) == CATEGORIES[0]
+    assert categorize("aten::matmul", [[8, 576], [576, 960]]) == CATEGORIES[0]
+    assert categorize("aten::matmul", [[8, 3, 1, 64], [8, 3, 64, 40]]) == CATEGORIES[1]

@@ -80,13 +80,15 @@ PLAN = CATEGORIES[3]
 
 def categorize(name: str, shapes: list) -> str:
     """按顶层事件的名字（和 matmul 的输入形状）归类：第二个输入是 2 维的 matmul 是线性层 x @ W，
-    更高维的是注意力里的 q @ kᵀ、probs @ v。"""
+    更高维的是注意力里的 q @ kᵀ、probs @ v；打包的权重（CPU float32 的默认）是 oneDNN 的一个算子。"""
     if name == "plan":
         return PLAN
     if name == "paged_attention":
         return CATEGORIES[1]
     if name == "aten::matmul":
         return CATEGORIES[0] if len(shapes) > 1 and len(shapes[1]) == 2 else CATEGORIES[1]
+    if name in ("mkldnn::_linear_pointwise", "llm_from_scratch::packed_linear"):   # --linear packed（common/linear.py）
+        return CATEGORIES[0]
     if name in ("aten::softmax", "aten::masked_fill", "aten::div", "aten::bitwise_not"):
         return CATEGORIES[1]
     if name in ("aten::index_select", "aten::index_fill_", "aten::index_put_", "aten::index", "aten::copy_"):
