@@ -89,8 +89,10 @@ def load_model(path, device: str, dtype: torch.dtype, linear: str = "auto") -> T
     for name, t in state.items():
         # 投影矩阵 (out, in) -> (in, out)，见 common/model.py 的 Linear。tie 的 lm_head 因此是 embed 的
         # 转置副本（多占 V·E 个数）：换来 lm_head 这一最大的矩阵-向量乘快约一倍。
+        # 要打包的矩阵只转置视图、不拷贝：打包（pack_weight）要的正是原来 (out, in) 的连续内存，
+        # 先拷成 (in, out) 再拷回去是两次整份权重的白拷贝
         if t.dim() == 2 and name != "embed_tokens.weight":
-            state[name] = t.t().contiguous()
+            state[name] = t.t() if impl == "packed" else t.t().contiguous()
     with torch.device("meta"):  # 先在 meta 设备上搭骨架（不分配、不初始化），再把权重"指派"进去
         model = Transformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)

@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +61,42 @@ def single_thread_for_tiny_models(request):
         torch.set_num_threads(before)
 
 
+_REAL: list = []   # real 夹具建好的 Session：进程内的 run_py 用默认模型时复用它（reuse_real_model）
+
+
 @pytest.fixture(scope="session")
 def real():
     """真实默认模型 SmolLM2-135M-Instruct（CPU，float32），整个测试会话只加载一次。"""
-    return open_session(None, "cpu", "float32")
+    s = open_session(None, "cpu", "float32")
+    _REAL.append(s)
+    return s
+
+
+@contextmanager
+def reuse_real_model():
+    """进程内的 run_py 加载默认模型、设置与 real 相同（cpu、float32、--linear auto）时，不再从磁盘读一遍、转置、打包
+    （每次几秒）：cli.load_model 直接交回 real 已经装好的那一份，分词器同理。生成只读权重，所以结果与自己加载的一样；
+    加载本身由 real 夹具走的同一个 load_model 覆盖。别的模型、别的设备 / dtype / 线性层照常加载；
+    real 还没建（这个 worker 里还没有测试用过它）时什么也不换。"""
+    from common import cli
+    if not _REAL:
+        yield
+        return
+    s, load, tokenizer = _REAL[0], cli.load_model, cli.Tokenizer
+
+    def load_model_shared(path, device, dtype, linear="auto"):
+        if Path(path).resolve() == s.path.resolve() and (str(device), dtype, linear) == (s.device, s.dtype, "auto"):
+            return s.model
+        return load(path, device, dtype, linear)
+
+    def tokenizer_shared(path):
+        return s.tok if Path(path).resolve() == s.path.resolve() else tokenizer(path)
+
+    cli.load_model, cli.Tokenizer = load_model_shared, tokenizer_shared
+    try:
+        yield
+    finally:
+        cli.load_model, cli.Tokenizer = load, tokenizer
 
 
 @dataclass
@@ -114,7 +147,8 @@ def tiny_tok_dir(tmp_path_factory) -> Path:
 def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None,
            subprocess_: bool = False) -> subprocess.CompletedProcess:
     """像学习者一样运行某一步的 run.py：与命令行同一条路（make_parser → cli.run_main → 退出码），stdout / stderr 截下来。
-    默认在本进程里跑（省掉每次启动进程、import torch 与 transformers 的几秒，make test 里这样的调用有十几个）；
+    默认在本进程里跑（省掉每次启动进程、import torch 与 transformers 的几秒，make test 里这样的调用有十几个；
+    默认模型复用 real 已经装好的权重与分词器，见 reuse_real_model）；
     subprocess_=True 时真的启动一个进程（threads：限定它的 torch 线程数），用于"进程本身"的行为：traceback 会不会漏到
     终端、两个进程同一个种子是否相同。"""
     if subprocess_:
@@ -133,7 +167,7 @@ def run_py(step: str, *args: str, timeout: int = 900, threads: int | None = None
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), reuse_real_model():
             try:
                 cli.run_main(parser, module.main, list(args))
                 code = 0
