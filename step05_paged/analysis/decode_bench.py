@@ -87,7 +87,7 @@ def categorize(name: str, shapes: list) -> str:
         return CATEGORIES[1]
     if name == "aten::matmul":
         return CATEGORIES[0] if len(shapes) > 1 and len(shapes[1]) == 2 else CATEGORIES[1]
-    if name in ("mkldnn::_linear_pointwise", "llm_from_scratch::packed_linear"):   # --linear packed（common/linear.py）
+    if name == "mkldnn::_linear_pointwise":        # --linear packed 的矩阵乘（common/linear.py；这里只剖析 eager）
         return CATEGORIES[0]
     if name in ("aten::softmax", "aten::masked_fill", "aten::div", "aten::bitwise_not"):
         return CATEGORIES[1]
