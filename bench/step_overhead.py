@@ -109,8 +109,7 @@ class PhaseTimer:
 class EngineProbe:
     """一个引擎（那一步的 EngineConfig 默认值，池子按默认的 KV 预算）、一个贪心请求；step() 一步一步走并记下各部分。"""
 
-    def __init__(self, s, name: str, ids: list[int], max_new_tokens: int, split: "ForwardSplit"):
-        from step04_static_batching.request import Request
+    def __init__(self, s, name: str, split: "ForwardSplit"):
         from step11_serving.engines import engine_module
         mod = engine_module(name)
         self.name, self.mod, self.s = name, mod, s
@@ -136,11 +135,24 @@ class EngineProbe:
         # 采样：step07 的 _postprocess 调 sample()，step09 起调 verify()（没有猜测时就是一次 sample()）
         self._sampler = next(a for a in ("verify", "sample") if hasattr(mod, a))
         self._orig_sampler = getattr(mod, self._sampler)
+
+    def start(self, ids: list[int], max_new_tokens: int) -> "EngineProbe":
+        """加一个贪心请求（ignore_eos），走完它的 prefill；之后每次 step() 是它的一步 decode。"""
+        from step04_static_batching.request import Request
+        e = self.engine
         self.rid = e.add_request(Request(list(ids), max_new_tokens, ignore_eos=True))
         self.tokens: list[int] = []
-        self._collect(e.step())                             # prefill（上下文 ≤ 预算时一步）
-        while not self.tokens:                               # 上下文比预算长：分块 prefill 走完
-            self._collect(e.step())
+        with torch.inference_mode():
+            while not self.tokens:                           # 上下文 ≤ 预算时一步；更长时分块 prefill 走完
+                self._collect(e.step())
+        return self
+
+    def finish(self) -> list[dict]:
+        """走完这个请求剩下的步（返回每一步的拆分）。"""
+        steps = []
+        while self.engine.has_unfinished_requests():
+            steps.append(self.step())
+        return steps
 
     def _collect(self, outs) -> None:
         for o in outs:
@@ -174,15 +186,15 @@ class EngineProbe:
     def step(self) -> dict[str, float]:
         """一步（在调用它的线程里）：返回 total 与各部分的秒数；postprocess 不含其中的采样。"""
         with self.timed():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with torch.inference_mode():                     # 与 AsyncLLMEngine._step 相同：线程局部，在这里打开
                 outs = self.engine.step()
-            total = time.perf_counter() - t0
+            total, cpu = time.perf_counter() - t0, time.thread_time() - c0
         self._collect(outs)
         p = self.timer.take()
         p["postprocess"] -= p["sample"]
         p["other"] = total - sum(p[k] for k in ENGINE_PHASES if k != "other")
-        return {"total": total, **{k: p.get(k, 0.0) for k in ENGINE_PHASES}}
+        return {"total": total, "thread_cpu": cpu, **{k: p.get(k, 0.0) for k in ENGINE_PHASES}}
 
 
 class ForwardSplit:
@@ -263,9 +275,9 @@ class LoopTrace:
         def _step():
             self.thread_threads.add(torch.get_num_threads())
             with probe.timed():
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 out = step()
-                cur.update(thread_start=t, thread_end=time.perf_counter())
+                cur.update(thread_start=t, thread_end=time.perf_counter(), thread_cpu=time.thread_time() - c)
             p = probe.timer.take()
             cur.update(forward=p["forward"], sample=p["sample"])
             return out
@@ -350,6 +362,7 @@ def split_server_run(trace_rows: list[dict], sends: list[float], got: dict) -> d
         parts["cycle"].append(r["dispatched"] - prev["dispatched"])
         parts["forward"].append(r["forward"])
         parts["sample"].append(r["sample"])
+        parts["thread_cpu"].append(r["thread_cpu"])
     # 每个 token 的 SSE chunk：分发完 → 交给 uvicorn（sse），交给 uvicorn → 客户端收到（net）
         n = min(len(rows), len(sends), len(recv))
     sse = [sends[i] - rows[i]["dispatched"] for i in range(1, n)]
@@ -364,10 +377,9 @@ def server_runs(s, name: str, ids: list[int], n_tokens: int, clients: list[str],
     from step11_serving.api_server import build_app, settings_for
     from step11_serving.async_engine import AsyncLLMEngine
     from step11_serving.server_thread import ServerThread
-    probe = EngineProbe(s, name, ids[:8], 2, ForwardSplit(s.model))   # 建引擎（带计时的包装），先用一个短请求走完
+    probe = EngineProbe(s, name, ForwardSplit(s.model))  # 建引擎（带计时的包装），先用一个短请求走完
+    probe.start(ids[:8], 2).finish()
     e = probe.engine
-    while e.has_unfinished_requests():
-        e.step()
     aengine = AsyncLLMEngine(e, s.tok)
     sends: list[float] = []
     app = build_app(aengine, s.tok, settings_for(s, e, e.config.block_size))
@@ -381,6 +393,12 @@ def server_runs(s, name: str, ids: list[int], n_tokens: int, clients: list[str],
     try:
         run_client(server.url, {**body, "max_tokens": 4}, "thread")          # 预热：HTTP、分词、一次 prefill
         for _ in range(repeats):
+            # 服务器空着的时候，同一个引擎在本线程里直接跑同一个请求（循环在等新请求，不碰引擎）：离线的一步，
+            # 与下面经过服务器的请求轮流量，机器的漂移对两边一样
+            steps = probe.start(ids, n_tokens).finish()
+            results["direct"].append({"engine_step": median([r["total"] for r in steps]),
+                                      "forward": median([r["forward"] for r in steps])})
+            tokens["direct"] = probe.tokens
             for where in clients:
                 trace.rows.clear()
                 sends.clear()
@@ -392,7 +410,50 @@ def server_runs(s, name: str, ids: list[int], n_tokens: int, clients: list[str],
     out = {}
     for where, runs in results.items():
         out[where] = {k: median([r[k] for r in runs]) for k in runs[0]}
-    return {"clients": out, "tokens": tokens, "engine_thread_torch_threads": sorted(trace.thread_threads)}
+    direct = out.pop("direct")
+    return {"clients": out, "direct": direct, "tokens": tokens,
+            "engine_thread_torch_threads": sorted(trace.thread_threads)}
+
+
+def cli_server_itl(s, name: str, ids: list[int], n_tokens: int, repeats: int) -> dict:
+    """对照：命令行的服务器（python -m step11_serving.api_server，另一个进程，uvicorn 在它的主线程里），客户端在本进程；
+    只有客户端量得到的 token 间隔。本进程在这段时间里只等网络。"""
+    import httpx
+
+    from step11_serving.api_server import bind
+    root = Path(__file__).resolve().parents[1]
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "step11_serving.api_server", "--engine", name, "--port", str(port),
+                             "--model", str(s.path), "--device", "cpu", "--dtype", "float32"], cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stderr.read()[-500:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError("the server did not start in 300 s")
+            time.sleep(0.2)
+        body = {"model": s.path.name, "prompt": list(ids), "max_tokens": n_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        stream_request(url, {**body, "max_tokens": 4})
+        itl, tokens = [], []
+        for _ in range(repeats):
+            got = stream_request(url, body)
+            itl.append(median([b - a for a, b in zip(got["times"], got["times"][1:])]))
+            tokens = [t for chunk in got["tokens"] for t in chunk]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"itl": median(itl), "tokens": tokens}
 
 
 # ---------------- 4. 第 07 章负载里的 TPOT ----------------
@@ -449,7 +510,7 @@ def offline(s, ids: list[int], engines: list[str], steps: int, split_steps: int)
     """1 与 2：step03 的前向、每个引擎在主线程的一步、在专用线程的一步，轮流；之后各走 split_steps 步拆开前向。"""
     split = ForwardSplit(s.model)
     bare = BareForward(s, ids, steps + split_steps + 8, split)
-    probes = {name: EngineProbe(s, name, ids, 2 * steps + split_steps + 8, split) for name in engines}
+    probes = {name: EngineProbe(s, name, split).start(ids, 2 * steps + split_steps + 8) for name in engines}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
     threads_main, threads_worker = torch.get_num_threads(), pool.submit(torch.get_num_threads).result()
     for _ in range(2):                                   # 预热
@@ -487,6 +548,7 @@ def main(argv=None) -> int:
     ap.add_argument("--server-engine", default=None, help="服务器挂哪一步的引擎（默认 step10；--quick step09）")
     ap.add_argument("--repeats", type=int, default=None, help="服务器每种客户端跑几个请求（默认 3，--quick 1）")
     ap.add_argument("--model", help="模型目录（默认：默认模型）")
+    ap.add_argument("--no-cli-server", action="store_true", help="不起命令行的服务器（另一个进程）做对照")
     ap.add_argument("--no-ch07", action="store_true", help="不跑第 4 部分（第 07 章负载的 TPOT，完整模式约 1.5 分钟）")
     ap.add_argument("--client", nargs=2, metavar=("URL", "BODY"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -513,25 +575,33 @@ def main(argv=None) -> int:
     for where in ("main", "thread"):
         for name, r in off[where].items():
             rows.append([name, "主线程" if where == "main" else "专用线程", ms(r["total"]), f"{r['total'] / bare:.2f}",
-                         *[ms(r[k]) for k in ENGINE_PHASES]])
+                         *[ms(r[k]) for k in ENGINE_PHASES], ms(r["thread_cpu"])])
     print("\n[2] engine.step()，批 1（各部分是中位数，加起来不一定等于一步的中位数）：")
-    print(table(["引擎", "线程", "一步 (ms)", "÷ step03 前向", *[PHASE_NAMES[k] for k in ENGINE_PHASES]], rows))
+    print(table(["引擎", "线程", "一步 (ms)", "÷ step03 前向", *[PHASE_NAMES[k] for k in ENGINE_PHASES],
+                 "调用线程的 CPU 时间"], rows))
     prow = [[n, *[ms(p[k]) for k in FORWARD_PARTS]] for n, p in off["forward_split"].items()]
     print("\n前向拆开（另走几步，Linear 上挂钩子、KV cache 的 attend 计时；中位数）：")
     print(table(["", *[PART_NAMES[k] for k in FORWARD_PARTS]], prow))
     print(f"贪心 token 与 step03 相同：{off['tokens_equal_step03']}")
 
     srv = server_runs(s, server_engine, ids, N, ["process", "thread"], repeats)
-    eng = off["main"].get(server_engine)
+    direct = srv["direct"]["engine_step"]
     print(f"\n[3] 经过服务器（{server_engine} 的引擎，/v1/completions 流式，{N} 个 token，每种客户端 {repeats} 个请求取中位数）；"
-          f"引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}")
+          f"引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}；同一个引擎在两次请求之间直接跑同一个请求，"
+          f"一步 {ms(direct)} ms（前向 {ms(srv['direct']['forward'])} ms）")
     rows = []
     for where, r in srv["clients"].items():
         rows.append(["另一个进程" if where == "process" else "本进程的线程", ms(r["itl"]), ms(r["cycle"]),
-                     *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["sse"]), ms(r["net"]),
-                     f"{r['itl'] / eng['total']:.2f}" if eng else "-"])
-    print(table(["客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向",
-                 "分发完→SSE 发出", "发出→客户端收到", f"÷ 离线 {server_engine} 一步"], rows))
+                     *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["thread_cpu"]), ms(r["sse"]), ms(r["net"]),
+                     f"{r['itl'] / direct:.2f}"])
+    print(table(["客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向", "引擎线程的 CPU 时间",
+                 "分发完→SSE 发出", "发出→客户端收到", "÷ 直接跑的一步"], rows))
+    cli_srv = None
+    if not args.no_cli_server:
+        cli_srv = cli_server_itl(s, server_engine, ids, N, repeats)
+        srv["tokens"]["cli_server"] = cli_srv["tokens"]
+        print(f"命令行的服务器（另一个进程，客户端在本进程）：token 间隔 {ms(cli_srv['itl'])} ms"
+              + f"，÷ 直接跑的一步 {cli_srv['itl'] / direct:.2f}（不与它轮流：先后跑的）")
     ref = off["bare_tokens"]
     served_ok = {w: t == ref[:len(t)] and len(t) == N for w, t in srv["tokens"].items()}
     print(f"服务器流式返回的 token 与 step03 相同：{served_ok}")
@@ -549,14 +619,15 @@ def main(argv=None) -> int:
     load1 = load_avg()
     print(f"\nload avg 开始 {load0:.2f}、结束 {load1:.2f}；墙钟 {time.time() - t_start:.0f} s")
     ratios = {f"{n}_step_vs_bare": round(r["total"] / bare, 3) for n, r in off["main"].items()}
-    if eng:
-        ratios["server_itl_vs_engine_step"] = round(srv["clients"]["process"]["itl"] / eng["total"], 3)
+    ratios["server_itl_vs_engine_step"] = round(srv["clients"]["process"]["itl"] / direct, 3)
     if args.json:
         print(json.dumps({"machine": machine(), "load_avg": [round(load0, 2), round(load1, 2)], "context": C,
                           "tokens": N, "bare_forward_s": bare, "engine_step": off["main"],
                           "engine_step_in_thread": off["thread"], "forward_split": off["forward_split"],
                           "torch_threads": off["torch_threads"] | {"server_engine_thread": srv["engine_thread_torch_threads"]},
-                          "server_engine": server_engine, "server": srv["clients"], "ratios": ratios,
+                          "server_engine": server_engine, "server": srv["clients"],
+                          "server_engine_direct": srv["direct"], "cli_server_itl_s": cli_srv and cli_srv["itl"],
+                          "ratios": ratios,
                           "tokens_equal_step03": off["tokens_equal_step03"], "served_tokens_equal_step03": served_ok,
                           "chapter07": ch07},
                          ensure_ascii=False))
