@@ -26,6 +26,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -458,10 +459,12 @@ def cli_server_itl(s, name: str, ids: list[int], n_tokens: int, repeats: int) ->
 
 # ---------------- 4. 第 07 章负载里的 TPOT ----------------
 
-def chapter07_tpot(s, quick: bool) -> dict:
+def chapter07_tpot(s, quick: bool, batch1_step: Optional[float] = None) -> dict:
     """第 07 章 [2] 的负载（arrival_workload，同样的种子与到达间隔的量法），step07 默认预算 256，重放一遍，把 TPOT 拆开：
     一个请求相邻两个 token 的间隔就是那一步的时间（replay 步与步之间不等），所以按"这一步给几个 decode 出了 token"
-    加权的平均步长 ≈ 平均 TPOT。步分两种：只有 decode 的（按批大小 B 分组）和带 prefill 块的。"""
+    加权的平均步长 ≈ 平均 TPOT。步分两种：只有 decode 的（按批大小 B 分组）和带 prefill 块的。
+    batch1_step：批 1 一步的秒数（[2] 里 step07 的一步）；给了就把加权平均步长拆成 批 1 的一步 + 批大于 1 多出的 +
+    prefill 块多出的（没给时用负载里 B=1 的那几步）。"""
     from common.bench import median_time
     from common.clock import WallClock
     from common.harness import percentile, replay
@@ -491,7 +494,11 @@ def chapter07_tpot(s, quick: bool) -> dict:
         kinds[kind] = {"steps": len(g), "share": w / total_w, "mean_s": statistics.fmean(t for t, _ in g),
                        "mean_batch": w / len(g)}
     pure = [(t, d) for k, g in groups.items() if not k.startswith("decode +") for t, d in g]
-    return {"calibrate_step_s": step_s, "requests": len(arrivals), "tpot_p50": percentile(tpot, .5),
+    t1 = batch1_step if batch1_step is not None else kinds.get("decode B=1", {}).get("mean_s", weighted)
+    mixed = kinds.get("decode + prefill 块", {"share": 0.0, "mean_s": t1})
+    split = {"batch1_step": t1, "prefill_chunks": mixed["share"] * (mixed["mean_s"] - t1)}
+    split["batch_gt1"] = weighted - t1 - split["prefill_chunks"]
+    return {"split": split,"calibrate_step_s": step_s, "requests": len(arrivals), "tpot_p50": percentile(tpot, .5),
             "tpot_mean": statistics.fmean(tpot), "weighted_step": weighted, "kinds": kinds,
             "pure_decode_weighted": sum(t * d for t, d in pure) / max(1, sum(d for _, d in pure)),
             "mean_decode_batch": total_w / sum(len(g) for g in groups.values())}
@@ -607,8 +614,9 @@ def main(argv=None) -> int:
     print(f"服务器流式返回的 token 与 step03 相同：{served_ok}")
     ch07 = None
     if not args.no_ch07:
-        ch07 = chapter07_tpot(s, q)
         t1 = off["main"].get("step07", {}).get("total")
+        ch07 = chapter07_tpot(s, q, t1)
+        sp = ch07["split"]
         print(f"\n[4] 第 07 章 [2] 的负载（{'--quick' if q else '完整'}，{ch07['requests']} 个请求，step07 预算 256）："
               f"TPOT p50 {ms(ch07['tpot_p50'])} ms、平均 {ms(ch07['tpot_mean'])} ms；按 decode token 加权的平均步长 "
               f"{ms(ch07['weighted_step'])} ms，其中只有 decode 的步 {ms(ch07['pure_decode_weighted'])} ms；"
@@ -616,6 +624,8 @@ def main(argv=None) -> int:
               + (f"；对照 [2] 的 step07 批 1 一步 {ms(t1)} ms" if t1 else ""))
         print(table(["这一步", "步数", "占 TPOT 间隔", "平均一步 (ms)"],
                     [[k, v["steps"], f"{v['share']:.0%}", ms(v["mean_s"])] for k, v in ch07["kinds"].items()]))
+        print(f"加权平均步长 {ms(ch07['weighted_step'])} ms = 批 1 的一步 {ms(sp['batch1_step'])} + 批大于 1 多出的 "
+              f"{ms(sp['batch_gt1'])} + prefill 块多出的 {ms(sp['prefill_chunks'])}")
     load1 = load_avg()
     print(f"\nload avg 开始 {load0:.2f}、结束 {load1:.2f}；墙钟 {time.time() - t_start:.0f} s")
     ratios = {f"{n}_step_vs_bare": round(r["total"] / bare, 3) for n, r in off["main"].items()}

@@ -36,5 +36,6 @@ def test_quick_json_is_complete_and_consistent(tiny_tok_dir, capsys, monkeypatch
         assert 0.5 * srv["cycle"] <= sum(srv[k] for k in P.LOOP_PARTS) <= 2 * srv["cycle"]
     ch = out["chapter07"]
     assert ch["requests"] == 10 and ch["tpot_p50"] > 0
+    assert math.isclose(sum(ch["split"].values()), ch["weighted_step"])
     assert math.isclose(sum(k["share"] for k in ch["kinds"].values()), 1.0)
     assert all(k["steps"] > 0 for k in ch["kinds"].values())
