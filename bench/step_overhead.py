@@ -1,18 +1,23 @@
-"""批 1 的一步花在哪：同一个模型、同一段上下文，在同一次运行里量三样东西并拆开——
+"""批 1 的一步花在哪：同一个模型、同一段上下文，在同一次运行里量下面几样并拆开——
 
 1. step03 的一次 decode 前向（没有引擎：PreallocKVCache + forward）；
 2. 引擎的 engine.step()（step07 / step09 / step10 …，默认参数、一个请求），拆成 调度 / plan（这次前向的地址）/
-   前向 / 采样 / 其余后处理 / 记账 / 其它；同一个引擎一步在主线程、下一步在一个专用线程（服务器就这样调用它）交替；
-   再走几步把前向拆成 线性层 / 注意力 / 其余（计时器：Linear 上的钩子、KV cache 的 attend）；
+   前向 / 采样 / 其余后处理 / 记账 / 其它；三种线程状态：主线程（进程里只有它一个 OpenMP 线程池，同离线的 run.py）、
+   专用线程而主线程的池还在（两个池，服务器改之前的样子）、专用线程且只有它一个池（改之后，见 common/openmp.py）；
+   每一步另记整个进程的自愿上下文切换（OpenMP 的线程在并行区之间睡下一次记一次）；再走几步把前向拆成
+   线性层 / 注意力 / 其余（计时器：Linear 上的钩子、KV cache 的 attend）；
 3. 同一个请求经过 step11 的服务器流式返回（本进程起服务器，监听 127.0.0.1 的空闲端口；一个客户端，httpx，
-   /v1/completions，return_token_ids），客户端收到的相邻两个 token 的间隔拆成：引擎线程里的一步、executor
-   交给线程、等事件循环接手、循环里的分发（增量解码、放进队列）、循环的其余部分；SSE 发出与客户端收到的时刻另列。
-   客户端默认是另一个进程（像真实的客户端）；再跑一遍客户端是本进程里的一个线程。
+   /v1/completions，return_token_ids），两种状态（主线程的池还在 / 还掉之后）各量：客户端收到的相邻两个 token 的
+   间隔拆成 引擎线程里的一步、executor 交给线程、等事件循环接手、循环里的分发（增量解码、放进队列）、循环的其余部分，
+   SSE 发出与客户端收到的时刻另列；同一个引擎在自己的线程里直接跑同一个请求做对照。客户端是另一个进程（像真实的
+   客户端），再一遍是本进程里的一个线程。最后起一个命令行的服务器（另一个进程）看它的 token 间隔与上下文切换；
+4. 第 07 章 [2] 的负载重放一遍，把 TPOT 拆成 批 1 的一步 + 批大于 1 多出的 + prefill 块多出的。
 
     python bench/step_overhead.py [--quick] [--json] [--context 256] [--tokens 64] [--engines step07,step09,step10]
 
-1、2 的三者轮流各走一步（上下文一起变长），各取中位数：机器的带宽在几分钟里也会漂，轮流让它们受到同样的影响。
-只测量，不断言；--json 在最后打印一行 JSON（各项的中位数、比值）。表头印机器与 load avg：负载高时数字不可信。
+1、2 每一轮各走一步（上下文一起变长），各取中位数：机器的带宽在几分钟里也会漂，轮流让它们受到同样的影响。
+只测量，不断言；--json 在最后打印一行 JSON（各项的中位数、比值）。表头印机器与 load avg：负载高时数字不可信——
+而且方向会反过来：CPU 被别的进程占着时，忙等的 OpenMP 线程等的是被换下去的同伴，睡下反而快（见 docs/11 第 10 节）。
 """
 import argparse
 import json
@@ -365,7 +370,7 @@ def split_server_run(trace_rows: list[dict], sends: list[float], got: dict) -> d
         parts["sample"].append(r["sample"])
         parts["thread_cpu"].append(r["thread_cpu"])
     # 每个 token 的 SSE chunk：分发完 → 交给 uvicorn（sse），交给 uvicorn → 客户端收到（net）
-        n = min(len(rows), len(sends), len(recv))
+    n = min(len(rows), len(sends), len(recv))
     sse = [sends[i] - rows[i]["dispatched"] for i in range(1, n)]
     net = [recv[i] - sends[i] for i in range(1, n)]
     out = {k: median(v) for k, v in parts.items()}
@@ -374,7 +379,16 @@ def split_server_run(trace_rows: list[dict], sends: list[float], got: dict) -> d
                   "sse": median(sse), "net": median(net), "tokens": sum(map(len, got["tokens"]))}
 
 
+OFFLINE_MODES = {"main": "主线程（一个池）", "two_pools": "专用线程，主线程的池还在", "one_pool": "专用线程，只有它一个池"}
+SERVER_MODES = {"two_pools": "主线程的池还在（改之前）", "one_pool": "还掉主线程的池（改之后）"}
+
+
 def server_runs(s, name: str, ids: list[int], n_tokens: int, clients: list[str], repeats: int) -> dict:
+    """本进程里起服务器（ServerThread），每一轮两种状态各量一遍：主线程的 OpenMP 池还在（本进程的主线程跑过前面的
+    离线部分，和命令行服务器加载模型之后一样），和还掉它之后（api_server.main 开始服务前做的事）。每种状态先让同一个
+    引擎在它自己的线程里直接跑同一个请求（服务器空着，循环在等新请求，不碰引擎）：离线的一步，与经过服务器的请求
+    轮流量；再各用每种客户端发一个流式请求。"""
+    from common.openmp import release_thread_pool
     from step11_serving.api_server import build_app, settings_for
     from step11_serving.async_engine import AsyncLLMEngine
     from step11_serving.server_thread import ServerThread
@@ -394,31 +408,38 @@ def server_runs(s, name: str, ids: list[int], n_tokens: int, clients: list[str],
     try:
         run_client(server.url, {**body, "max_tokens": 4}, "thread")          # 预热：HTTP、分词、一次 prefill
         for _ in range(repeats):
-            # 服务器空着的时候，同一个引擎在本线程里直接跑同一个请求（循环在等新请求，不碰引擎）：离线的一步，
-            # 与下面经过服务器的请求轮流量，机器的漂移对两边一样
-            steps = probe.start(ids, n_tokens).finish()
-            results["direct"].append({"engine_step": median([r["total"] for r in steps]),
-                                      "forward": median([r["forward"] for r in steps])})
-            tokens["direct"] = probe.tokens
-            for where in clients:
-                trace.rows.clear()
-                sends.clear()
-                got = run_client(server.url, body, where)
-                results[where].append(split_server_run(list(trace.rows), list(sends), got))
-                tokens[where] = [t for chunk in got["tokens"] for t in chunk]
+            for mode in SERVER_MODES:
+                if mode == "two_pools":
+                    touch_pool()                                              # 主线程的池（又）建起来
+                else:
+                    release_thread_pool()
+                with Switches() as sw:
+                    steps = aengine._executor.submit(lambda: probe.start(ids, n_tokens).finish()).result()
+                results[(mode, "direct")].append({
+                    "engine_step": median([r["total"] for r in steps]), "forward": median([r["forward"] for r in steps]),
+                    "switches_per_token": sw.count / n_tokens})
+                tokens["direct"] = probe.tokens
+                for where in clients:
+                    trace.rows.clear()
+                    sends.clear()
+                    with Switches() as sw:
+                        got = run_client(server.url, body, where)
+                    r = split_server_run(list(trace.rows), list(sends), got)
+                    results[(mode, where)].append(r | {"switches_per_token": sw.count / r["tokens"]})
+                    tokens[where] = [t for chunk in got["tokens"] for t in chunk]
     finally:
         server.stop()
-    out = {}
-    for where, runs in results.items():
-        out[where] = {k: median([r[k] for r in runs]) for k in runs[0]}
-    direct = out.pop("direct")
-    return {"clients": out, "direct": direct, "tokens": tokens,
-            "engine_thread_torch_threads": sorted(trace.thread_threads)}
+    out = defaultdict(dict)
+    for (mode, where), runs in results.items():
+        out[mode][where] = {k: median([r[k] for r in runs]) for k in runs[0]}
+    return {"modes": dict(out), "tokens": tokens, "engine_thread_torch_threads": sorted(trace.thread_threads)}
 
 
 def cli_server_itl(s, name: str, ids: list[int], n_tokens: int, repeats: int) -> dict:
     """对照：命令行的服务器（python -m step11_serving.api_server，另一个进程，uvicorn 在它的主线程里），客户端在本进程；
-    只有客户端量得到的 token 间隔。本进程在这段时间里只等网络。"""
+    客户端量到的 token 间隔，和服务器进程每个 token 的自愿上下文切换（读 /proc/<pid>）。本进程在这段时间里只等网络。"""
+    import tempfile
+
     import httpx
 
     from step11_serving.api_server import bind
@@ -426,15 +447,17 @@ def cli_server_itl(s, name: str, ids: list[int], n_tokens: int, repeats: int) ->
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
+    log = tempfile.TemporaryFile(mode="w+")                # 服务器的日志（每个请求几行）：管道满了会卡住它
     proc = subprocess.Popen([sys.executable, "-m", "step11_serving.api_server", "--engine", name, "--port", str(port),
                              "--model", str(s.path), "--device", "cpu", "--dtype", "float32"], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stderr.read()[-500:]}")
+                log.seek(0)
+                raise RuntimeError(f"the server exited: {log.read()[-500:]}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -446,15 +469,19 @@ def cli_server_itl(s, name: str, ids: list[int], n_tokens: int, repeats: int) ->
         body = {"model": s.path.name, "prompt": list(ids), "max_tokens": n_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True}
         stream_request(url, {**body, "max_tokens": 4})
-        itl, tokens = [], []
+        itl, switches, tokens = [], [], []
         for _ in range(repeats):
-            got = stream_request(url, body)
+            with Switches(proc.pid) as sw:
+                got = stream_request(url, body)
+            switches.append(sw.count / n_tokens)
             itl.append(median([b - a for a, b in zip(got["times"], got["times"][1:])]))
             tokens = [t for chunk in got["tokens"] for t in chunk]
+        threads = len(list(Path(f"/proc/{proc.pid}/task").glob("*")))
     finally:
         proc.terminate()
         proc.wait(60)
-    return {"itl": median(itl), "tokens": tokens}
+        log.close()
+    return {"itl": median(itl), "switches_per_token": median(switches), "threads": threads, "tokens": tokens}
 
 
 # ---------------- 4. 第 07 章负载里的 TPOT ----------------
@@ -513,35 +540,83 @@ def context_ids(tok, n: int) -> list[int]:
     return ids[:n]
 
 
+class Switches:
+    """一个进程所有线程自愿让出 CPU 的次数（/proc 里每个线程的 voluntary_ctxt_switches）：OpenMP 的线程在并行区之间
+    睡下（futex）一次记一次。不是时间，机器忙不忙它都差不多：看它就知道 libgomp 在忙等还是在睡。
+    with Switches(pid) as sw: ... 之后 sw.count 是这段时间里的次数（只算两头都在的线程和中途新起的线程）。"""
+
+    def __init__(self, pid="self"):
+        self.pid, self.count = pid, 0
+
+    def read(self) -> dict[str, int]:
+        out = {}
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                out[task.name] = next(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                                      if line.startswith("voluntary_ctxt_switches"))
+            except (OSError, StopIteration):
+                pass                                     # 线程刚好结束了
+        return out
+
+    def __enter__(self):
+        self.before = self.read()
+        return self
+
+    def __exit__(self, *exc):
+        after = self.read()
+        self.count = sum(n - self.before.get(tid, 0) for tid, n in after.items())
+
+
+def touch_pool() -> None:
+    """在调用它的线程里跑一个并行算子：这个线程的 OpenMP 线程池（还没有的话）现在就建好，不算进下一步的时间。"""
+    torch.ones(1 << 20).sum()
+
+
 def offline(s, ids: list[int], engines: list[str], steps: int, split_steps: int):
-    """1 与 2：step03 的前向、每个引擎在主线程的一步、在专用线程的一步，轮流；之后各走 split_steps 步拆开前向。"""
+    """1 与 2：每一轮 step03 的前向、每个引擎在主线程的一步（进程里只有主线程一个 OpenMP 池：与离线的 run.py 相同）；
+    再在一个新的专用线程里各走一步（主线程的池还在：两个池，= 服务器改之前），还掉主线程的池后再各走一步（只有专用
+    线程一个池，= 改之后）；专用线程结束（它的池随之还掉），下一轮。之后各走 split_steps 步拆开前向。"""
+    from common.openmp import release_thread_pool
     split = ForwardSplit(s.model)
     bare = BareForward(s, ids, steps + split_steps + 8, split)
-    probes = {name: EngineProbe(s, name, split).start(ids, 2 * steps + split_steps + 8) for name in engines}
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-    threads_main, threads_worker = torch.get_num_threads(), pool.submit(torch.get_num_threads).result()
-    for _ in range(2):                                   # 预热
-        bare.step()
-        for p in probes.values():
-            p.step()
-            pool.submit(p.step).result()
-    bare_t, main, worker = [], defaultdict(list), defaultdict(list)
-    for _ in range(steps):
-        bare_t.append(bare.step())
-        for name, p in probes.items():
-            main[name].append(p.step())
-            worker[name].append(pool.submit(p.step).result())
-    pool.shutdown()
+    probes = {name: EngineProbe(s, name, split).start(ids, 3 * steps + split_steps + 8) for name in engines}
+    rows = {mode: defaultdict(list) for mode in ("main", "two_pools", "one_pool")}
+    bare_rows = []
+
+    def run(step):
+        with Switches() as sw:
+            r = step()
+        return r | {"switches": sw.count}
+    released = True
+    for i in range(steps + 1):                           # 第 0 轮是预热，不记
+        touch_pool()
+        b = run(lambda: {"total": bare.step()})
+        main = {name: run(p.step) for name, p in probes.items()}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step") as ex:
+            ex.submit(touch_pool).result()
+            two = {name: run(lambda: ex.submit(p.step).result()) for name, p in probes.items()}
+            released &= release_thread_pool()
+            one = {name: run(lambda: ex.submit(p.step).result()) for name, p in probes.items()}
+            threads_worker = ex.submit(torch.get_num_threads).result()
+        if i == 0:
+            continue
+        bare_rows.append(b)
+        for mode, got in (("main", main), ("two_pools", two), ("one_pool", one)):
+            for name, r in got.items():
+                rows[mode][name].append(r)
+    touch_pool()
     parts = {"step03": split_forward(bare.step, split, split_steps)}
     for name, p in probes.items():
         parts[name] = split_forward(lambda: p.step()["forward"], split, split_steps)
     same = {name: p.tokens[:len(bare.tokens)] == bare.tokens[:len(p.tokens)] for name, p in probes.items()}
 
-    def med(rows):
-        return {k: median([r[k] for r in rows]) for k in rows[0]}
-    return {"bare_forward": median(bare_t), "main": {n: med(r) for n, r in main.items()},
-            "thread": {n: med(r) for n, r in worker.items()}, "forward_split": parts, "tokens_equal_step03": same,
-            "torch_threads": {"main": threads_main, "executor_thread": threads_worker},
+    def med(rs):
+        return {k: median([r[k] for r in rs]) for k in rs[0]}
+    return {"bare_forward": median([r["total"] for r in bare_rows]),
+            "bare_switches": median([r["switches"] for r in bare_rows]),
+            **{mode: {n: med(r) for n, r in by.items()} for mode, by in rows.items()},
+            "released": released, "forward_split": parts, "tokens_equal_step03": same,
+            "torch_threads": {"main": torch.get_num_threads(), "executor_thread": threads_worker},
             "bare_tokens": bare.tokens}
 
 
@@ -576,39 +651,48 @@ def main(argv=None) -> int:
     t_start = time.time()
     off = offline(s, ids, engines, N, 2 if q else 5)
     bare = off["bare_forward"]
-    print(f"\n[1] step03 一次 decode 前向（中位数）：{ms(bare)} ms；torch 线程：主线程 {off['torch_threads']['main']}，"
-          f"executor 的线程 {off['torch_threads']['executor_thread']}")
+    print(f"\n[1] step03 一次 decode 前向（中位数）：{ms(bare)} ms，每步自愿上下文切换 {off['bare_switches']:.0f} 次；"
+          f"torch 线程：主线程 {off['torch_threads']['main']}，专用线程 {off['torch_threads']['executor_thread']}")
     rows = []
-    for where in ("main", "thread"):
-        for name, r in off[where].items():
-            rows.append([name, "主线程" if where == "main" else "专用线程", ms(r["total"]), f"{r['total'] / bare:.2f}",
-                         *[ms(r[k]) for k in ENGINE_PHASES], ms(r["thread_cpu"])])
-    print("\n[2] engine.step()，批 1（各部分是中位数，加起来不一定等于一步的中位数）：")
-    print(table(["引擎", "线程", "一步 (ms)", "÷ step03 前向", *[PHASE_NAMES[k] for k in ENGINE_PHASES],
-                 "调用线程的 CPU 时间"], rows))
+    for mode in OFFLINE_MODES:
+        for name, r in off[mode].items():
+            rows.append([name, OFFLINE_MODES[mode], ms(r["total"]), f"{r['total'] / bare:.2f}",
+                         *[ms(r[k]) for k in ENGINE_PHASES], ms(r["thread_cpu"]), f"{r['switches']:.0f}"])
+    print("\n[2] engine.step()，批 1（各部分是中位数，加起来不一定等于一步的中位数；三种线程状态每轮各一步，轮流）：")
+    print(table(["引擎", "在哪个线程", "一步 (ms)", "÷ step03 前向", *[PHASE_NAMES[k] for k in ENGINE_PHASES],
+                 "调用线程的 CPU", "自愿切换/步"], rows))
     prow = [[n, *[ms(p[k]) for k in FORWARD_PARTS]] for n, p in off["forward_split"].items()]
-    print("\n前向拆开（另走几步，Linear 上挂钩子、KV cache 的 attend 计时；中位数）：")
+    print("\n前向拆开（主线程另走几步，Linear 上挂钩子、KV cache 的 attend 计时；中位数）：")
     print(table(["", *[PART_NAMES[k] for k in FORWARD_PARTS]], prow))
     print(f"贪心 token 与 step03 相同：{off['tokens_equal_step03']}")
 
     srv = server_runs(s, server_engine, ids, N, ["process", "thread"], repeats)
-    direct = srv["direct"]["engine_step"]
-    print(f"\n[3] 经过服务器（{server_engine} 的引擎，/v1/completions 流式，{N} 个 token，每种客户端 {repeats} 个请求取中位数）；"
-          f"引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}；同一个引擎在两次请求之间直接跑同一个请求，"
-          f"一步 {ms(direct)} ms（前向 {ms(srv['direct']['forward'])} ms）")
+    print(f"\n[3] 经过服务器（本进程，{server_engine} 的引擎，/v1/completions 流式，{N} 个 token，每种状态、每种客户端 "
+          f"{repeats} 个请求取中位数；引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}）。"
+          "\"直接跑\"= 同一个引擎在它自己的线程里直接跑同一个请求（两次请求之间，服务器空着）：")
     rows = []
-    for where, r in srv["clients"].items():
-        rows.append(["另一个进程" if where == "process" else "本进程的线程", ms(r["itl"]), ms(r["cycle"]),
-                     *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["thread_cpu"]), ms(r["sse"]), ms(r["net"]),
-                     f"{r['itl'] / direct:.2f}"])
-    print(table(["客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向", "引擎线程的 CPU 时间",
-                 "分发完→SSE 发出", "发出→客户端收到", "÷ 直接跑的一步"], rows))
+    for mode, by in srv["modes"].items():
+        d = by["direct"]
+        rows.append([SERVER_MODES[mode], "（直接跑）", ms(d["engine_step"]), "-", ms(d["engine_step"]), *["-"] * 4,
+                     ms(d["forward"]), "-", "-", "-", f"{d['switches_per_token']:.0f}", "1.00"])
+        for where in ("process", "thread"):
+            r = by[where]
+            rows.append([SERVER_MODES[mode], "另一个进程" if where == "process" else "本进程的线程", ms(r["itl"]),
+                         ms(r["cycle"]), *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["thread_cpu"]),
+                         ms(r["sse"]), ms(r["net"]), f"{r['switches_per_token']:.0f}",
+                         f"{r['itl'] / d['engine_step']:.2f}"])
+    print(table(["状态", "客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向",
+                 "引擎线程的 CPU", "分发完→SSE 发出", "发出→客户端收到", "自愿切换/token", "÷ 直接跑的一步"], rows))
     cli_srv = None
     if not args.no_cli_server:
         cli_srv = cli_server_itl(s, server_engine, ids, N, repeats)
         srv["tokens"]["cli_server"] = cli_srv["tokens"]
-        print(f"命令行的服务器（另一个进程，客户端在本进程）：token 间隔 {ms(cli_srv['itl'])} ms"
-              + f"，÷ 直接跑的一步 {cli_srv['itl'] / direct:.2f}（不与它轮流：先后跑的）")
+        main_step = off["main"].get(server_engine, {}).get("total")
+        print(f"命令行的服务器（python -m step11_serving.api_server，另一个进程，客户端在本进程，{repeats} 个请求）："
+              f"token 间隔 {ms(cli_srv['itl'])} ms，服务器进程每个 token 自愿切换 {cli_srv['switches_per_token']:.0f} 次、"
+              f"{cli_srv['threads']} 个线程"
+              + (f"；÷ [2] 里 {server_engine} 在主线程的一步 {cli_srv['itl'] / main_step:.2f}（不轮流：先后跑的）"
+                 if main_step else ""))
     ref = off["bare_tokens"]
     served_ok = {w: t == ref[:len(t)] and len(t) == N for w, t in srv["tokens"].items()}
     print(f"服务器流式返回的 token 与 step03 相同：{served_ok}")
@@ -629,14 +713,21 @@ def main(argv=None) -> int:
     load1 = load_avg()
     print(f"\nload avg 开始 {load0:.2f}、结束 {load1:.2f}；墙钟 {time.time() - t_start:.0f} s")
     ratios = {f"{n}_step_vs_bare": round(r["total"] / bare, 3) for n, r in off["main"].items()}
-    ratios["server_itl_vs_engine_step"] = round(srv["clients"]["process"]["itl"] / direct, 3)
+    for mode, by in srv["modes"].items():
+        ratios[f"server_itl_vs_direct_step_{mode}"] = round(by["process"]["itl"] / by["direct"]["engine_step"], 3)
+    if server_engine in off["main"]:
+        main_step = off["main"][server_engine]["total"]
+        ratios["server_itl_one_pool_vs_main_step"] = round(srv["modes"]["one_pool"]["process"]["itl"] / main_step, 3)
+        if cli_srv:
+            ratios["cli_server_itl_vs_main_step"] = round(cli_srv["itl"] / main_step, 3)
     if args.json:
         print(json.dumps({"machine": machine(), "load_avg": [round(load0, 2), round(load1, 2)], "context": C,
-                          "tokens": N, "bare_forward_s": bare, "engine_step": off["main"],
-                          "engine_step_in_thread": off["thread"], "forward_split": off["forward_split"],
+                          "tokens": N, "bare_forward_s": bare, "bare_switches": off["bare_switches"],
+                          "engine_step": {m: off[m] for m in OFFLINE_MODES}, "released": off["released"],
+                          "forward_split": off["forward_split"],
                           "torch_threads": off["torch_threads"] | {"server_engine_thread": srv["engine_thread_torch_threads"]},
-                          "server_engine": server_engine, "server": srv["clients"],
-                          "server_engine_direct": srv["direct"], "cli_server_itl_s": cli_srv and cli_srv["itl"],
+                          "server_engine": server_engine, "server": srv["modes"],
+                          "cli_server": cli_srv and {k: v for k, v in cli_srv.items() if k != "tokens"},
                           "ratios": ratios,
                           "tokens_equal_step03": off["tokens_equal_step03"], "served_tokens_equal_step03": served_ok,
                           "chapter07": ch07},
