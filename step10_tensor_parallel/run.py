@@ -27,6 +27,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
+from step10_tensor_parallel.config import num_blocks_for_budget  # noqa: E402
 from step10_tensor_parallel.distributed import Layout, forward_comm_seconds  # noqa: E402
 from step10_tensor_parallel.launch import launch  # noqa: E402
 from step10_tensor_parallel.model_runner import serve_worker  # noqa: E402
@@ -104,7 +105,7 @@ def check_args(args) -> None:
 
 def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
     """每个 rank 同样的 KV 预算（256 MiB）能放几块：块号在所有 rank 上通用，所以取最满的那个 rank（层最多的 stage）。"""
-    return min(step10.num_blocks_for_budget(Shard.of(cfg, Layout(r, args.tp, args.pp)).rank_config(cfg),
+    return min(num_blocks_for_budget(Shard.of(cfg, Layout(r, args.tp, args.pp)).rank_config(cfg),
                                             args.block_size, dtype, kv_dtype=args.kv_dtype)
                for r in range(args.tp * args.pp))
 

@@ -42,7 +42,7 @@ def engine_module(name: str):
         mod = importlib.import_module(f"{ENGINES[name]}.engine")
     except ImportError as e:
         raise UserError(f"cannot import engine {name}: {e}") from None
-    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget", "DEFAULT_KV_MIB")):
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig")):
         raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
     return mod
 
@@ -107,12 +107,13 @@ def build_engine(name: str, session, args, parallel=None):
     parallel：parallel_group 给的 ParallelContext（step10 的 --tp/--pp > 1）。"""
     from common.clock import WallClock
     mod = engine_module(name)
+    conf = importlib.import_module(f"{ENGINES[name]}.config")   # 那一步的 EngineConfig 与块数换算
     kw = {f.name: getattr(args, f.name) for f, _, _ in config_fields(mod.EngineConfig)
           if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
         kv = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
-        kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
-                                                         mod.DEFAULT_KV_MIB, **kv))
+        kw["num_blocks"] = int(conf.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
+                                                          conf.DEFAULT_KV_MIB, **kv))
     extra = {"parallel": parallel} if parallel is not None else {}
     draft = getattr(args, "draft_model", None)
     if (kw.get("spec_method") == "draft") != bool(draft):

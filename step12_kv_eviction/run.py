@@ -21,6 +21,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step12_kv_eviction import engine as step12  # noqa: E402
+from step12_kv_eviction.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -110,7 +111,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step12_kv_eviction.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step12.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     draft = (cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear, sliding_window=True).model
              if spec_method(args) == "draft" else None)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens, draft_model=draft)

@@ -30,6 +30,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step13_kv_blend import engine as step13  # noqa: E402
+from step13_kv_blend.config import num_blocks_for_budget  # noqa: E402
 from step13_kv_blend.chunk_cache import build_prompt, split_prompt  # noqa: E402
 
 
@@ -148,7 +149,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step13_kv_blend.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step13.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     draft = cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model if spec_method(args) == "draft" else None
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens, draft_model=draft)
     compiled_decode.compile_if_asked(args, engine)
