@@ -4,7 +4,8 @@
 - 非流式：{"id", "object": "chat.completion" | "text_completion", "created", "model", "choices": [...], "usage"}；
 - 流式（SSE，每个事件一行 `data: <json>` 加一个空行）：每个 chunk 的 id 与 created 相同；chat 先发一个只有
   role 的 chunk，之后是 delta.content，最后一个带 finish_reason；stream_options.include_usage 时再发一个
-  choices 为空、带 usage 的 chunk（此前每个 chunk 的 usage 都是 null）；最后是 `data: [DONE]`；
+  choices 为空、带 usage 的 chunk（此前每个 chunk 的 usage 都是 null；vLLM 的扩展 continuous_usage_stats 时
+  每个 chunk 都带这个样本到此为止的 usage）；最后是 `data: [DONE]`；
 - 错误：{"error": {"message", "type", "param", "code"}}，code 是 HTTP 状态码（vLLM 的做法）；
 - logprobs（completions 的 `logprobs: k` 与 `echo`，chat 的 `logprobs: true, top_logprobs: k`）：只有算它们的引擎
   （step09、step10）接受，k 至多 --max-logprobs；线上的形状在 logprobs.py；
@@ -14,6 +15,7 @@
 数值字段严格按 JSON 类型检查（"0.5" 不是数字、"yes" 不是布尔值），取值范围由 step02 的 SamplingParams.validate
 和引擎的 add_request 检查——同一份规则，命令行和 HTTP 给出同样的错误信息。
 """
+import inspect
 import json
 import time
 import uuid
@@ -58,7 +60,11 @@ class _Model(BaseModel):
 
 
 class StreamOptions(_Model):
-    include_usage: StrictBool = False
+    # include_usage 不给时：OpenAI 是 false；只给了 continuous_usage_stats 时随它（vLLM 的 include_usage 默认是 true，
+    # 这样 {"continuous_usage_stats": true} 与 vLLM 的结果相同）。见 stream_usage
+    include_usage: Optional[StrictBool] = None
+    continuous_usage_stats: Optional[StrictBool] = None   # vLLM 的扩展（guidellm 每个请求都发）：每个 chunk 都带 usage
+    include_obfuscation: Optional[StrictBool] = None      # OpenAI：delta 里加随机填充；这里没有，只收 null / false
 
 
 class TextPart(_Model):
@@ -101,6 +107,31 @@ class _SamplingRequest(_Model):
     user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
     # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
     response_format: object = None
+    # ---- vLLM 的请求字段（第 11 章第 5 节的字段表逐个说明为什么）----
+    truncate_prompt_tokens: Optional[StrictInt] = None   # 只留提示词的最后 k 个 token（-1：上下文长度）
+    request_id: Optional[StrictStr] = None               # 响应的 id 是 "chatcmpl-<它>" / "cmpl-<它>"
+    safety_identifier: Optional[StrictStr] = None        # OpenAI：与 user 相同，只用于对方的滥用监测；接受、不用
+    prompt_cache_key: Optional[StrictStr] = None         # OpenAI：它的缓存路由的提示；前缀缓存只看内容，接受、不用
+    use_beam_search: object = None                       # 以下没有实现：只接受等于没用的值（UNSUPPORTED）
+    length_penalty: object = None
+    skip_special_tokens: object = None
+    spaces_between_special_tokens: object = None
+    allowed_token_ids: object = None
+    bad_words: object = None
+    prompt_logprobs: object = None
+    logits_processors: object = None
+    return_tokens_as_token_ids: object = None
+    priority: object = None
+    cache_salt: object = None
+    kv_transfer_params: object = None
+    vllm_xargs: object = None
+    structured_outputs: object = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    guided_decoding_backend: object = None
+    guided_whitespace_pattern: object = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -109,6 +140,17 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Optional[StrictBool] = None      # true：每个生成的 token 带 logprob（与最可能的 top_logprobs 个）
     top_logprobs: Optional[StrictInt] = None
     chunk_separator: object = None             # 只有 completions 收；这里认识它，为的是 400 时说清楚为什么（chunk_marks）
+    # 对话模板的参数（vLLM 的同名字段，同 /tokenize）；chat_template_kwargs 是模板里的变量（例如 enable_thinking）
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: Optional[list[dict[StrictStr, StrictStr]]] = None
+    chat_template_kwargs: Optional[dict[StrictStr, object]] = None
+    chat_template: object = None               # 以下没有实现：只接受等于没用的值
+    echo: object = None
+    include_reasoning: object = None
+    structural_tag: object = None
+    mm_processor_kwargs: object = None
     tools: object = None
     tool_choice: object = None
     parallel_tool_calls: object = None
@@ -130,8 +172,10 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Optional[StrictInt] = None       # k：每个 token 的 logprob 与最可能的 k 个（旧格式）
     echo: Optional[StrictBool] = None          # text 以提示词开头；与 logprobs 一起时提示词的 token 也带 logprob
     chunk_separator: Optional[StrictStr] = None   # 扩展（step13）：提示词在它处切开，前面每片一段、最后一片是问题
+    add_special_tokens: StrictBool = True      # vLLM：字符串提示词分词时加不加特殊 token（BOS）；token id 的提示词不动
     best_of: object = None
     suffix: object = None
+    prompt_embeds: object = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -190,11 +234,22 @@ UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto", "default"), "web_search_options": (None,),
+    # vLLM 的扩展
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0), "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,), "chat_template": (None,), "include_reasoning": (None, True),
+    "mm_processor_kwargs": (None, {}), "prompt_embeds": (None,),
 }
+CHAT_UNSUPPORTED = {"echo": (None, False)}   # completions 的 echo 实现了；chat 的（把最后一条消息接在回答前面）没有
 
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
-    for name, allowed in UNSUPPORTED.items():
+    table = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if isinstance(req, ChatCompletionRequest) else UNSUPPORTED
+    for name, allowed in table.items():
         if name not in type(req).model_fields:
             continue
         value = getattr(req, name)
@@ -205,8 +260,38 @@ def _reject_unsupported(req: _SamplingRequest) -> None:
                                 f"is accepted: it changes nothing), got {json.dumps(value)}", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be given together with stream=true", param="stream_options")
+    so = req.stream_options
+    if so is not None and so.continuous_usage_stats and so.include_usage is False:   # vLLM 这时悄悄什么 usage 也不发
+        raise APIError(400, "stream_options.continuous_usage_stats needs include_usage (leave it out or set it true)",
+                       param="stream_options.continuous_usage_stats")
+    if so is not None and so.include_obfuscation:
+        raise APIError(400, "stream_options.include_obfuscation is not supported by this server (it adds no random "
+                            "padding to the chunks): only null / false is accepted",
+                       param="stream_options.include_obfuscation")
+    if isinstance(req, ChatCompletionRequest):
+        check_generation_prompt(req)
+    if req.request_id == "":
+        raise APIError(400, "request_id must not be empty", param="request_id")
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def check_generation_prompt(req) -> None:
+    """continue_final_message 接着写最后一条消息，add_generation_prompt 另起一条回答：两个都要是矛盾的（vLLM 也 400）。"""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+
+
+def stream_usage(req: _SamplingRequest) -> tuple[bool, bool]:
+    """→ (最后发一个 choices 为空、带总 usage 的 chunk, 每个 chunk 都带它那个样本到此为止的 usage)。
+    vLLM 的 serving_chat / serving_completion 相同：continuous 只在 include_usage 时起作用（这里 include_usage
+    不给时随 continuous_usage_stats；明说 false 又要 continuous 的，_reject_unsupported 已经 400）。"""
+    so = req.stream_options
+    if so is None:
+        return False, False
+    continuous = bool(so.continuous_usage_stats)
+    return (continuous if so.include_usage is None else so.include_usage), continuous
 
 
 def _same(value, allowed) -> bool:
@@ -235,32 +320,59 @@ class EngineInputs:
 
 
 def encode_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, documents: Optional[list[dict]] = None,
+                template_kwargs: Optional[dict] = None) -> list[int]:
     """按模型自己的对话模板把整段对话排成 token（与 `--chat` 相同：模板里已经有特殊 token，不再加）。
-    其余参数只有 /tokenize 用（vLLM 的 TokenizeChatRequest 的同名字段）；chat 端点用默认值。"""
+    其余参数是 vLLM 的 ChatCompletionRequest / TokenizeChatRequest 的同名字段，默认值与它相同。
+    documents 与 template_kwargs（chat_template_kwargs）成为模板里的变量：模板不用它们时什么也不变（同 vLLM）。"""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     if not tok.hf.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+    template_kwargs = template_kwargs or {}
+    own = {"messages", *inspect.signature(tok.hf.apply_chat_template).parameters}   # tokenize、chat_template……
+    if clash := sorted(own & set(template_kwargs)):
+        raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set here (not a template variable"
+                            f"{'; a template sent by the client is refused, as vLLM does' if 'chat_template' in clash else ''})",
+                       param="chat_template_kwargs")
     conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
         text = tok.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)
+                                          continue_final_message=continue_final_message, documents=documents,
+                                          **template_kwargs)
     except Exception as e:   # 模板自己的 raise_exception（例如角色顺序不对）
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
     return tok.hf(text, add_special_tokens=add_special_tokens).input_ids
 
 
-def encode_prompts(tok, prompt, vocab_size: int) -> list[list[int]]:
+def truncate_prompts(req: _SamplingRequest, prompts: list[list[int]], context_len: int) -> list[list[int]]:
+    """truncate_prompt_tokens（vLLM 的扩展）：每个提示词只留最后 k 个 token（vLLM 从左边截）；-1 = 上下文长度。"""
+    k, name = req.truncate_prompt_tokens, "truncate_prompt_tokens"
+    if k is None:
+        return prompts
+    if k == -1:
+        k = context_len
+    if k < 1:
+        raise APIError(400, f"{name} must be >= 1 (or -1: the model's context length), got {k}", param=name)
+    if getattr(req, "echo", False) is True or getattr(req, "chunk_separator", None) is not None:
+        raise APIError(400, f"{name} cannot be combined with echo or chunk_separator (the echoed text and the chunks "
+                            f"are cut from the whole prompt)", param=name)
+    return [ids[-k:] for ids in prompts]
+
+
+def encode_prompts(tok, prompt, vocab_size: int, add_special_tokens: bool = True) -> list[list[int]]:
     """/v1/completions 的 prompt → 每个提示词的 token id。直接给 token id 时要检查范围：越界的 id 会让嵌入层
-    在引擎的 step 里出错，连累同一批的所有请求。"""
+    在引擎的 step 里出错，连累同一批的所有请求。add_special_tokens 只管字符串提示词（同 vLLM）。"""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     out = []
     for p in prompt:
-        ids = tok.encode(p) if isinstance(p, str) else list(p)   # 字符串：Tokenizer.encode 对空串抛 UserError
+        if isinstance(p, str):   # Tokenizer.encode 对空串抛 UserError
+            ids = tok.encode(p) if add_special_tokens else tok.hf(p, add_special_tokens=False).input_ids
+        else:
+            ids = list(p)
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if not all(0 <= t < vocab_size for t in ids):
@@ -391,10 +503,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
+    """cached_tokens None：不带 prompt_tokens_details（continuous_usage_stats 的每个 chunk，同 vLLM）。"""
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    return u if cached_tokens is None else {**u, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(obj) -> str:
@@ -412,8 +525,12 @@ class ResponseShape:
     with_token_ids: bool = False
 
     @classmethod
-    def new(cls, chat: bool, model: str, with_token_ids: bool = False) -> "ResponseShape":
-        return cls(chat, new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), with_token_ids)
+    def new(cls, chat: bool, model: str, with_token_ids: bool = False,
+            request_id: Optional[str] = None) -> "ResponseShape":
+        """request_id：请求体的 request_id（vLLM 的扩展），给了就用它作响应的 id。"""
+        prefix = "chatcmpl" if chat else "cmpl"
+        rid = f"{prefix}-{request_id}" if request_id else new_id(prefix)
+        return cls(chat, rid, model, int(time.time()), with_token_ids)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -485,9 +602,8 @@ def parse_tokenize(obj: dict) -> Union[TokenizeCompletionRequest, TokenizeChatRe
         raise APIError(400, "give exactly one of `prompt` (a text) or `messages` (a chat)",
                        param="messages" if "prompt" in obj else "prompt")
     req = validate_body(TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest, obj)
-    if isinstance(req, TokenizeChatRequest) and req.add_generation_prompt and req.continue_final_message:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                       param="continue_final_message")
+    if isinstance(req, TokenizeChatRequest):
+        check_generation_prompt(req)
     return req
 
 
