@@ -152,6 +152,10 @@ def test_greedy_applies_penalties_bias_and_min_tokens():
     ("logit_bias", {0: math.nan}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {0: "1"}),
     ("logit_bias", [1, 2]), ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", True),
     ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
+    # True 是 int 的子类（True == 1）：不查类型就被当成 1 接受；字符串不查类型就在比较里抛 TypeError
+    ("top_k", True), ("seed", True), ("seed", False), ("presence_penalty", True), ("frequency_penalty", False),
+    ("repetition_penalty", True), ("temperature", True), ("top_p", True), ("min_p", False), ("temperature", "0.5"),
+    ("top_p", "0.5"),
 ])
 def test_validate_rejects_by_name(field, value):
     with pytest.raises(UserError, match=field):
