@@ -181,6 +181,22 @@ def test_chunk_store_partly_evicted_chunk_is_freed_whole():
     assert len(bm.free_blocks) == 1 and not bm.evictable            # 它剩下的那块直接回到空闲链表
 
 
+def test_chunk_store_forgets_evicted_chunks():
+    """LRU 驱逐了段的块，表里也不再留它：一直存新段（服务器一直跑），条目数不超过池子的块数，留下的段都完整。"""
+    bm, store = small_store()                                      # 6 块，每段 2 块：最多 3 段
+    for i in range(40):
+        e = store.put(range(100 + 8 * i, 108 + 8 * i), kv_of(8, i))
+        store.release(e)
+    assert len(store.entries) == 3 and all(store._valid(e) for e in store.entries.values())
+    assert {e.token_ids[0] for e in store.entries.values()} == {100 + 8 * i for i in (37, 38, 39)}   # 最近的三段
+    assert store.lookup(range(100, 108)) is None
+    store.release(store.lookup(range(412, 420)))
+    bm.allocate(6)                                                 # 请求要块把段全挤掉：下次存段时表里只剩新的那一段
+    bm.free(list(range(6)))
+    e = store.put(range(900, 904), kv_of(4, 1))
+    assert list(store.entries.values()) == [e]
+
+
 # ---- 坏输入 ----
 @pytest.mark.parametrize("chunks, match", [
     ([(0, 5), (4, 8)], r"chunks\[1\].*overlap"),
