@@ -94,6 +94,12 @@ class ChunkStore:
                 del self.bm.cached[b]
                 self.bm.free_blocks.append(b)
 
+    def contains(self, token_ids) -> bool:
+        """有没有这一段（还完整地在池子里）。只看不动：不 acquire、不记命中（引擎接纳前估代价用）。"""
+        token_ids = tuple(token_ids)
+        e = self.entries.get(chunk_key(token_ids))
+        return e is not None and e.token_ids == token_ids and self._valid(e)
+
     def lookup(self, token_ids) -> Optional[ChunkEntry]:
         """命中：acquire 它（每块引用 +1，没人用的从 evictable 取出）并返回；没有或已失效：None。"""
         token_ids = tuple(token_ids)
