@@ -7,7 +7,7 @@ import torch
 
 from common.errors import UserError
 
-from .blend import ALL_MODES, BLEND_MODES, check_ratio
+from .blend import ALL_MODES, BLEND_MODES, DEVIATIONS, check_ratio
 from .kv_cache import ATTENTION_CHOICES, PagedKVCache
 from .quant import KV_DTYPE_CHOICES, kv_format
 
@@ -85,6 +85,9 @@ class EngineConfig:
     recompute_ratio: Optional[float] = field(default=None, metadata={
         "group": "非前缀复用",
         "help": f"blend：复用的 token 里重算多少比例（0..1，默认 {DEFAULT_RECOMPUTE_RATIO}；0 = reuse，1 = 完整 prefill）"})
+    deviation_on: Optional[str] = field(default=None, metadata={
+        "group": "非前缀复用", "choices": DEVIATIONS,
+        "help": "blend：在检查层比较新算的与复用的哪一个来选重算的 token：k（默认，同 LMCache）或 v（CacheBlend 原始代码）"})
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
@@ -117,6 +120,11 @@ class EngineConfig:
             if b != "blend":
                 raise UserError(f"--recompute-ratio is only used with --blend blend (got {b})")
             check_ratio(self.recompute_ratio)
+        if self.deviation_on is not None:
+            if self.deviation_on not in DEVIATIONS:
+                raise UserError(f"unknown --deviation-on {self.deviation_on!r} (choose from {', '.join(DEVIATIONS)})")
+            if b != "blend":
+                raise UserError(f"--deviation-on is only used with --blend blend (got {b})")
         if b == "prefix" and not self.enable_prefix_caching:
             raise UserError("--blend prefix needs the prefix cache (drop --no-prefix-cache)")
         if b in BLEND_MODES and self.kv_policy != "full":   # 拼段的 prefill 一次写满整个提示词，驱逐的分块分配与压缩不管它
@@ -127,6 +135,10 @@ class EngineConfig:
     @property
     def ratio(self) -> float:
         return self.recompute_ratio if self.recompute_ratio is not None else DEFAULT_RECOMPUTE_RATIO
+
+    @property
+    def deviation(self) -> str:
+        return self.deviation_on if self.deviation_on is not None else "k"
 
     def _validate_eviction(self) -> None:
         """step12：每个旋钮只属于一个策略；预算至少放得下策略一定要留的 + 一块（否则每次压缩都留不下新 token）。"""

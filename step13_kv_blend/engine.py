@@ -46,8 +46,10 @@ step13 加的非前缀复用：add_request(request, chunks=[(start, end), ...]) 
 后三种在请求被接纳、拿到块之后（调度器的 on_admit → _prefill_chunks）一次做完提示词前 n − 1 个 token 的 prefill：
 每段查块缓存（没有就单独算一遍、存进去），按模式拼、转位置、选择性重算，结果写进请求自己的块；最后一个提示词 token
 照常进这一步的前向、采样出第一个 token。段在这期间被持有（引用计数），不会被驱逐；它的块没人用时与前缀缓存的块排在
-同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它），StepStats 的 token 数
-只数普通前向的。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
+同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它）；它算掉的 token
+（单独算的段 + 重算的 + 检查段，折算成走完全部层的）记在 BlendStepStats.blend_tokens，也算进这一步的 token 预算
+（scheduler.py）：一步里拼段的 prefill 与前向加起来不超过 max_num_batched_tokens，正在 decode 的请求不会被几个同时接纳的
+拼段请求卡住。拼段出错（它的段、它的前向）只结束那一个请求。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
 不出提示词位置的 logits）不能同时用。
 """
 from collections import deque
@@ -62,7 +64,7 @@ from common.stats import STEP_STATS_KEPT, EngineStats, StepStats, collect_stats,
 from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
-from .blend import BLEND_MODES, blend_prefill, check_chunks, check_model, reuse_chunks
+from .blend import BLEND_MODES, blend_cost, blend_prefill, check_chunks, check_model, reuse_chunks, reuse_cost
 from .block_manager import BlockManager
 from .chunk_cache import ChunkStore, write_kv
 from .config import EngineConfig
@@ -106,6 +108,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[L
     chosen = lp.gather(1, ids[:, None])[:, 0].tolist()                                   # (m,)
     top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)                              # (m, k)：从大到小
     return [Logprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
+
+
+@dataclass
+class BlendStepStats(StepStats):
+    """step13：一步的账再加上接纳时拼段的 prefill 在前向之外算掉的 token（折算成走完全部层的，见 blend.blend_cost）。
+    tokens + blend_tokens 是这一步一共算了多少，不超过 max_num_batched_tokens（一步只做一个比预算还大的拼段时除外）。"""
+    blend_tokens: int = 0
 
 
 @dataclass
@@ -253,27 +262,38 @@ class LLMEngine:
         return outputs + new
 
     @torch.inference_mode()
-    def _prefill_chunks(self, seq: Sequence) -> None:
+    def _prefill_chunks(self, seq: Sequence, limit: Optional[int]) -> Optional[int]:
         """step13（调度器的 on_admit）：标了段的请求在 concat / reuse / blend 下，刚拿到块就一次做完提示词前 n − 1 个
         token 的 prefill：段的 K/V 从块缓存拿（没有就单独算、存进去），按模式拼好、修好，写进它自己的块。
-        最后一个提示词 token 留给这一步的普通前向（它本来就要重算，它的 logits 给出第一个 token）。"""
+        最后一个提示词 token 留给这一步的普通前向（它本来就要重算，它的 logits 给出第一个 token）。
+        返回算掉的 token 数（折算成走完全部层的：单独算的段 + blend_cost），调度器记进这一步的预算；
+        代价超过 limit（None = 不限）时什么也不做，返回 None。出错只结束这一个请求（还块，下一次 step() 报告），返回 0。"""
         if seq.chunks is None or self.config.blend not in BLEND_MODES or seq.num_computed_tokens:
-            return
+            return 0
         n = len(seq.request.prompt_ids) - 1
         if n <= 0 or seq.chunks[0][0] >= n:
-            return
-        token_ids = seq.request.prompt_ids[:n]
-        kv, reused, held, _ = reuse_chunks(self.model, self.chunk_store, seq.request.prompt_ids, seq.chunks,
-                                           self.config.blend, n)
+            return 0
+        c, ids = self.config, seq.request.prompt_ids
+        missing, num_reused = reuse_cost(self.chunk_store, ids, seq.chunks, n)
+        cost = missing + blend_cost(n, num_reused, c.blend, c.ratio, self.model.cfg.num_layers)
+        if limit is not None and cost > limit:
+            return None
         try:
-            res = blend_prefill(self.model, token_ids, kv, reused, self.config.blend, self.config.ratio)
-            write_kv(self.kv_cache.pool, seq.block_table, res.kv)
-        finally:
-            for e in held:                            # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以驱逐
-                self.chunk_store.release(e)
+            kv, reused, held, _ = reuse_chunks(self.model, self.chunk_store, ids, seq.chunks, c.blend, n)
+            try:
+                res = blend_prefill(self.model, ids[:n], kv, reused, c.blend, c.ratio, c.deviation)
+                write_kv(self.kv_cache.pool, seq.block_table, res.kv)
+            finally:
+                for e in held:                        # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以驱逐
+                    self.chunk_store.release(e)
+        except Exception as e:   # 只属于这个请求（它的段、它的前向）：同 _postprocess，只结束它，别的请求照常
+            self.block_manager.free_seq(seq)          # 还在等待队列里的请求 finish 不还块：这里先还
+            self._end_early(seq, "error", e)
+            return 0
         seq.num_computed_tokens, seq.approx_kv = n, True
         seq.num_reused_tokens = int((reused & ~res.selected).sum())
         seq.num_recomputed_tokens = int((reused & res.selected).sum())
+        return cost
 
     def _must_compact(self, seq: Sequence, kv_len: int) -> bool:
         """step12：槽数到了 预算 + 一块 就压缩（多一块的余量：压缩每 block_size 个 token 才做一次）。"""
@@ -480,10 +500,11 @@ class LLMEngine:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)
         T = fwd.input_ids.shape[1]                   # 一行 (1, T)，没有填充
-        self.step_stats.append(StepStats(
+        self.step_stats.append(BlendStepStats(
             prefill=batch.is_prefill, rows=1, width=T, tokens=T, idle_rows=0, kv_slots_held=held, kv_slots_used=used,
             seconds=seconds, gather_bytes=fwd.gather_bytes, stalled=len(stalled),
-            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running)))
+            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running),
+            blend_tokens=batch.num_admit_tokens))
         self.num_steps += 1
 
     def generate(self, requests: list[Request], chunks: Optional[list] = None) -> GenerateOutput:

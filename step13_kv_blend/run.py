@@ -108,7 +108,8 @@ def config_for(args, num_blocks: int, max_batch_size: int, budget: int) -> step1
         num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         kv_policy=args.kv_policy, kv_budget=args.kv_budget, num_sinks=args.num_sinks, kv_positions=args.kv_positions,
         h2o_recent=args.h2o_recent, snapkv_window=args.snapkv_window, snapkv_pool=args.snapkv_pool,
-        max_model_len=args.max_model_len, blend=args.blend, recompute_ratio=args.recompute_ratio)
+        max_model_len=args.max_model_len, blend=args.blend, recompute_ratio=args.recompute_ratio,
+        deviation_on=args.deviation_on)
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None, draft_model=None):

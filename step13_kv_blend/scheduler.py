@@ -23,6 +23,9 @@ evicting=False 时与 step09 逐行相同。
 
 step13：on_admit（引擎给的）在请求拿到块之后调用：标了段、走块缓存的请求在这里一次做完拼段的 prefill（blend.py），
 num_computed_tokens 跳到 提示词长 − 1，这一步只再排它的最后一个提示词 token（普通的前向，采样出第一个 token）。
+拼段的 prefill 算掉的 token（折算成走完全部层的，引擎报回来）记在这一步的预算里，与前向里的 token 一起不超过
+max_num_batched_tokens：放不下就还块、留在队头等下一步。拼段的 prefill 分不开，比整个预算还大的那种只在
+这一步什么别的都没排时接纳（一步只做它；先来先服务，后面的请求跟着等）。
 """
 from collections import deque
 from dataclasses import dataclass
@@ -39,14 +42,17 @@ class SchedulerOutput:
     num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
     is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
     num_decode_tokens: int        # 其中 decode 的 token 数（已经在 decode 的请求各 1 个，加上它们要验证的猜测）
+    num_admit_tokens: int = 0     # step13：接纳时拼段的 prefill 在前向之外算掉的 token（折算，不在 num_new_tokens 里）
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
                  swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None,
-                 evicting: bool = False, on_admit: Optional[Callable[[Sequence], None]] = None):
+                 evicting: bool = False, on_admit: Optional[Callable[[Sequence, Optional[int]], Optional[int]]] = None):
         self.block_manager = block_manager
-        self.on_admit = on_admit                              # step13：请求拿到块之后、排进这一步之前调用（引擎：拼段的 prefill）
+        # step13：请求拿到块之后、排进这一步之前调用（引擎：拼段的 prefill）：on_admit(seq, 上限) → 算掉的 token 数；
+        # 代价超过上限（None = 不限）时什么也不做、返回 None
+        self.on_admit = on_admit
         self.evicting = evicting                              # step12：有驱逐策略时块边算边分（见文件开头）
         self.swap = swap                                      # None = --preempt recompute
         self.on_preempt = on_preempt                          # 请求被抢占时调用（引擎：提议者丢掉为它存的状态）
@@ -78,12 +84,17 @@ class Scheduler:
                     num_new.append(n)
                     budget -= n
         # 3) 接纳新请求。这一步抢占过就不接：刚腾出来的块正是被抢占的请求要的，接了新请求它下一步又会被抢占
+        admit_tokens = 0
         if budget > 0 and not preempted:
-            for seq in self._admit(budget):
+            admitted, admit_tokens = self._admit(budget)
+            # step13：拼段的 prefill 已经算掉的先扣掉。_admit 只在扣完还给它留得下 1 个时接纳它，所以先扣、后扣每个请求
+            # 分到的一样；只有"一步只做它"的那种会扣成 ≤ 0，它的最后一个 token 照样算（max(budget, 1)）
+            budget -= admit_tokens
+            for seq in admitted:
                 seqs.append(seq)
-                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, max(budget, 1)))
                 budget -= num_new[-1]
-        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
+        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode, admit_tokens)
 
     def _room(self, seq: Sequence) -> int:
         """块表里还有几个空槽可写（step12 驱逐时 prefill 的一块不能超过它；不驱逐时块表早已覆盖全部 token）。"""
@@ -108,10 +119,10 @@ class Scheduler:
         seq.trim_spec(len(seq.block_table) * bm.block_size - (seq.num_tokens - seq.num_evicted))
         return len(seq.spec_token_ids)
 
-    def _admit(self, budget: int) -> list[Sequence]:
+    def _admit(self, budget: int) -> tuple[list[Sequence], int]:
         """按先来先服务从等待队列头部接纳请求，直到批满、这一步的预算被前面接纳的用完或块不够。
-        先换入：swapped 清空之前不接纳等待中的请求。"""
-        batch, bm = [], self.block_manager
+        先换入：swapped 清空之前不接纳等待中的请求。返回接纳的请求与 on_admit 在前向之外算掉的 token 数（step13）。"""
+        batch, bm, admit_tokens = [], self.block_manager, 0
         while self.swapped and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.swapped[0]
             need = bm.blocks_for(self._slots_for(seq, budget))
@@ -127,7 +138,7 @@ class Scheduler:
             self.running.append(seq)
             batch.append(seq)
         if self.swapped:
-            return batch                      # 还有没换回来的：先不接新请求
+            return batch, admit_tokens        # 还有没换回来的：先不接新请求
         computing = set()                 # 这一批里各请求要算的第一个（以后能被命中的）满块的 key
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
@@ -141,7 +152,15 @@ class Scheduler:
                 break  # 不跳过队头去接后面的小请求：保持先来先服务，也不会饿死长请求
             self.block_manager.allocate_seq(seq, match, slots)   # 不驱逐时块按整段 token 一次分好：prefill 到一半不会缺块
             if self.on_admit is not None:                 # step13：标了段的请求在这里算完除最后一个 token 外的 prefill
-                self.on_admit(seq)
+                # 上限：给它的最后一个 token 留 1 个；这一步还什么都没排时不设上限（拼段的 prefill 分不开）
+                spent = self.on_admit(seq, budget - 1 if budget < self.max_num_batched_tokens else None)
+                if spent is None:                         # 这一步放不下：还块（分块时驱逐掉的缓存块回不来），等下一步
+                    self.block_manager.free_seq(seq)
+                    break
+                if seq.is_finished:                       # 拼段出了错：引擎已经只结束了它（还了块，下一步报告）
+                    continue
+                budget -= spent
+                admit_tokens += spent
             budget -= seq.num_tokens - seq.num_computed_tokens
             if match.next_key is not None:
                 computing.add(match.next_key)
@@ -149,7 +168,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
-        return batch
+        return batch, admit_tokens
 
     def _grow(self) -> bool:
         """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。
