@@ -60,11 +60,19 @@ class NFA:
                         self.edges[cur].append((b0, b1, nxt))
                         cur = nxt
         elif isinstance(node, Concat):
-            cur = s
+            cur, prev, prev_frag = s, None, None
             for item in node.items:
+                if (prev is not None and isinstance(item, Repeat) and (item.min, item.max) == (0, None)
+                        and isinstance(item.item, Concat) and item.item.items[-1:] == (prev,)):
+                    # X(?:S X)*：列表的写法（JSON 的数组、对象）。不再造 X 的第二个副本，而是从 X 的出口经过 S
+                    # 回到同一个 X 的入口——语言相同，DFA 却少一半状态（两个副本在子集构造里是不同的状态）
+                    sa, sb = self.build(Concat(item.item.items[:-1]))
+                    self.eps[cur].append(sa)
+                    self.eps[sb].append(prev_frag[0])
+                    continue
                 a, b = self.build(item)
                 self.eps[cur].append(a)
-                cur = b
+                cur, prev, prev_frag = b, item, (a, b)
             self.eps[cur].append(e)
         elif isinstance(node, Alt):
             for item in node.items:

@@ -129,6 +129,7 @@ class _Parser:
         return items[0] if len(items) == 1 else Concat(tuple(items))
 
     def quantified(self, node):
+        repeated = False                             # (a?)* 合法，a?* 不合法：看的是这里，不是 node 的类型
         while True:
             start, c = self.i, self.peek()
             if c in ("?", "*", "+"):
@@ -139,13 +140,14 @@ class _Parser:
                 lo = int(m.group(1) or 0)
                 hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
                 if hi is not None and hi < lo:
-                    raise self.error(f"min repeat greater than max repeat in {m.group(0)}", start)
+                    raise self.error(f"min repeat greater than max repeat in {m.group(0)}", start + 1)
                 if max(lo, hi or 0) > MAX_REPEAT:
                     raise self.error(f"repeat count over {MAX_REPEAT} in {m.group(0)}", start)
             else:
                 return node
-            if isinstance(node, Repeat):
+            if repeated:
                 raise self.error("multiple repeat", start)
+            repeated = True
             if self.peek() == "?":                   # 懒惰量词：整串匹配时语言相同
                 self.i += 1
             node = Repeat(node, lo, hi)

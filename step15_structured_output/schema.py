@@ -67,13 +67,20 @@ def any_value(depth: int) -> str:
 
 
 def any_array(depth: int) -> str:
-    v = any_value(depth - 1)
-    return rf"\[(?:{v}(?:, {v})*)?\]"
+    return separated_list(any_value(depth - 1), "\\[", "\\]")
 
 
 def any_object(depth: int) -> str:
-    v = any_value(depth - 1)
-    return rf"\{{(?:{STRING}: {v}(?:, {STRING}: {v})*)?\}}"
+    return separated_list(f"{STRING}: {any_value(depth - 1)}", "\\{", "\\}")
+
+
+def separated_list(item: str, open_: str, close: str, lo: int = 0, hi: int | None = None) -> str:
+    """open item (, item)* close，lo ≤ 项数 ≤ hi。item 包在 (?:...) 里：automaton.py 认出 "X(?:, X)*"，
+    只造一个 X（不限项数时）。"""
+    if hi == 0:
+        return open_ + close
+    body = f"(?:{item})(?:, (?:{item})){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
+    return f"{open_}{body}{close}" if lo > 0 else f"{open_}(?:{body})?{close}"
 
 
 def json_object_regex(max_depth: int = DEFAULT_MAX_DEPTH) -> str:
@@ -198,11 +205,7 @@ class _Converter:
     def array(self, s, where: str, refs: tuple) -> str:
         item = self.convert(s["items"], f"{where}/items", refs) if "items" in s else any_value(self.max_depth - 1)
         lo, hi = _bounds(s, "minItems", "maxItems", where, self.error)
-        if hi == 0:
-            return "\\[\\]"
-        more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
-        body = f"{item}{more}"
-        return f"\\[{body}\\]" if lo > 0 else f"\\[(?:{body})?\\]"
+        return separated_list(item, "\\[", "\\]", lo, hi)
 
     def string(self, s, where: str) -> str:
         if "pattern" in s:
