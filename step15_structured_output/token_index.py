@@ -223,7 +223,8 @@ class GrammarMatcher:
 
     def forced_bytes(self) -> bytes:
         """从当前状态起，语法唯一确定的字节串（jump-forward 用）：每一步只有一个字节能活下去，且还不能停。
-        截到完整的 UTF-8 字符为止。"""
+        是字节，不一定是完整的字符：开头可能补完上一个 token 留下的半个字符，结尾可能停在一个字符中间
+        （"(?:é|è)" 只确定共同的首字节 0xC3）——与 xgrammar 的 find_jump_forward_string 底下的字节相同。"""
         dfa, s, out = self.grammar.dfa, self.state, bytearray()
         while not self.terminated and not dfa.accepting[s]:
             live = [b for b in range(256) if dfa.trans[s][b] != DEAD]
@@ -231,16 +232,5 @@ class GrammarMatcher:
                 break
             out.append(live[0])
             s = dfa.trans[s][live[0]]
-        return bytes(out[:_complete_utf8(out)])
+        return bytes(out)
 
-
-def _complete_utf8(data: bytes) -> int:
-    """data 里完整 UTF-8 字符的前缀长度（最后一个字符不完整就不算它）。"""
-    k = len(data)
-    while k > 0 and 0x80 <= data[k - 1] < 0xC0:       # 往回跳过续字节，找到最后一个字符的首字节
-        k -= 1
-    if k == 0:
-        return 0
-    lead = data[k - 1]
-    need = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-    return len(data) if k - 1 + need <= len(data) else k - 1
