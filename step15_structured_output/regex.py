@@ -240,11 +240,8 @@ class _Parser:
         return self.escape(self.i - 1) if c == "\\" else c
 
     def chars(self, cs: Chars):
-        if self.json_string:
-            cs = intersect(cs, JSON_SAFE)
-        if not cs.ranges:
-            raise self.error("character set matches nothing" + (" (inside a JSON string)" if self.json_string else ""))
-        return cs
+        # 空集合（[^\s\S]，或 JSON 字符串里的 [\x00-\x1f]）照收，同 Python：那个分支走不通，DFA 剪枝时去掉它
+        return intersect(cs, JSON_SAFE) if self.json_string else cs
 
     def literal_char(self, c: str):
         # JSON 字符串里 " \\ 与控制字符要转义：输出的是转义后的写法（json.dumps 的规则）
@@ -254,6 +251,8 @@ class _Parser:
 def to_regex(node) -> str:
     """AST → 正则字符串（parse_regex 的逆）：schema.py 把 pattern 放进更大的正则时用。"""
     if isinstance(node, Chars):
+        if not node.ranges:
+            return r"[^\s\S]"                  # 空集
         if len(node.ranges) == 1 and node.ranges[0][0] == node.ranges[0][1]:
             return _char(node.ranges[0][0], "\\.^$|?*+()[]{}")
         body = "".join(_char(lo, "\\]^-[") + ("" if lo == hi else "-" + _char(hi, "\\]^-["))

@@ -381,7 +381,31 @@ def test_forced_bytes_match_xgrammar_jump_forward(env, case):
 
 
 @pytest.mark.parametrize("rx, forced", [("ab(?:é|è)x", b"ab\xc3"), ("(?:é|è)x", b"\xc3"), ("中(?:文|国)", "中".encode()),
-                                        ("(?:ab|ac)", b"a"), ("a?b", b"")])
+                                        ("(?:ab|ac)", b"a"), ("a?b", b""), ("ab(?:cd)?", b"ab")])
 def test_forced_bytes_can_stop_inside_a_character(env, rx, forced):
     m = GrammarMatcher(env.ours.compile_regex(rx))
     assert m.forced_bytes() == forced == xgrammar_forced_bytes(xgr.GrammarMatcher(env.xgr.compile_regex(rx)))
+
+
+def test_masks_of_a_finite_language_by_brute_force(env):
+    """有限语言的掩码可以直接数出来：已生成 done 之后，token t 允许 ⇔ done + t 是某个词的前缀；EOS 允许 ⇔ done 是一个词。
+    正则里有走不通的分支（[^\\s\\S] 是空集）：DFA 不剪枝的话，"x"、"xa" 这些 token 会被放进来。"""
+    words = ["bc", "北京", "北海道", "Zürich", "Zürich!", "{\"a\": 1}"]
+    rx = r"(?:xa[^\s\S]|bc|北京|北海道|Zürich!?|\{\"a\": 1\}|\{\"a\": 2[^\s\S]\})"
+    encoded = [w.encode() for w in words]
+    grammar = env.ours.compile_regex(rx)
+    bm = allocate_token_bitmask(1, env.vocab_size)
+    for word in encoded:
+        m, done = GrammarMatcher(grammar), b""
+        while True:
+            m.fill_bitmask(bm)
+            expected = {i for i, b in enumerate(env.token_bytes) if b and any(w.startswith(done + b) for w in encoded)}
+            expected |= {EOS} if done in encoded else set()
+            assert ids_of(bm[0]) == expected, done
+            if done == word:
+                assert m.accept_token(EOS)
+                break
+            t = max((i for i in expected if i != EOS and word.startswith(done + env.token_bytes[i])),
+                    key=lambda i: len(env.token_bytes[i]))               # 最长的 token：路径每次不同
+            assert m.accept_token(t)
+            done += env.token_bytes[t]
