@@ -95,8 +95,13 @@ def pack_bits(allowed: np.ndarray) -> torch.Tensor:
 
 def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 (..., W) → bool (..., vocab_size)。"""
-    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
-    return bits.flatten(-2)[..., :vocab_size].bool()
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[..., :vocab_size].view(bool))
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) 里不允许的 token 原地设成 -inf（采样之前、惩罚与温度之前）。"""
+    return logits.masked_fill_(~unpack_bits(bitmask, logits.shape[-1]).to(logits.device), float("-inf"))
 
 
 def allocate_token_bitmask(batch: int, vocab_size: int) -> torch.Tensor:

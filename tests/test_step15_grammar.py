@@ -27,7 +27,8 @@ from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import forward
 from step15_structured_output.schema import json_object_regex, schema_to_regex
 from step15_structured_output.token_index import (GrammarCompiler, GrammarMatcher, TokenIndex,
-                                                  allocate_token_bitmask, unpack_bits, vocab_bytes)
+                                                  allocate_token_bitmask, apply_token_bitmask_, unpack_bits,
+                                                  vocab_bytes)
 
 EOS = 2
 TEXT_SPECIALS = set(range(17)) - {EOS}          # xgrammar 当作文本的特殊 token（见文件开头）
@@ -409,3 +410,16 @@ def test_masks_of_a_finite_language_by_brute_force(env):
                     key=lambda i: len(env.token_bytes[i]))               # 最长的 token：路径每次不同
             assert m.accept_token(t)
             done += env.token_bytes[t]
+
+
+@pytest.mark.parametrize("vocab_size", [31, 33, 100, 49152])
+def test_apply_bitmask_matches_xgrammar(vocab_size):
+    """同一个 int32 位图，我们的 apply_token_bitmask_ 与 xgrammar 的 apply_token_bitmask_inplace 屏蔽同样的 token。"""
+    gen = torch.Generator().manual_seed(vocab_size)
+    bitmask = torch.randint(-2**31, 2**31, (4, (vocab_size + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, vocab_size, generator=gen)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_token_bitmask_(ours, bitmask)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs)
+    assert torch.isinf(ours).any() and torch.isfinite(ours).any()
