@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .automaton import DEAD, DFA, START, compile_regex
+from .regex import GrammarError
 from .schema import json_object_regex, schema_to_regex
 
 
@@ -55,7 +56,7 @@ def vocab_bytes(hf_tokenizer) -> tuple[list[bytes | None], set[int]]:
             try:
                 out.append(bytes(decoder[c] for c in piece))
             except KeyError:
-                raise ValueError(f"token {i} {piece!r} is not byte-level BPE; structured output needs a "
+                raise GrammarError(f"token {i} {piece!r} is not byte-level BPE; structured output needs a "
                                  "byte-level BPE tokenizer") from None
     return out, special
 
@@ -149,7 +150,7 @@ class CompiledGrammar:
         if self.dfa.accepting[state]:
             allowed[ix.eos_ids] = True
         elif not ok.any():
-            raise ValueError(f"no token of the vocabulary can continue the grammar from DFA state {state}")
+            raise GrammarError(f"no token of the vocabulary can continue the grammar from DFA state {state}")
         return StateMasks(pack_bits(allowed), ix.text_ids[ok], after[ok])
 
     def next_state(self, state: int, token_id: int) -> int | None:

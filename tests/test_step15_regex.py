@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from step15_structured_output.automaton import DEAD, START, compile_regex, utf8_sequences
-from step15_structured_output.regex import char_set, parse_regex, to_regex
+from step15_structured_output.regex import GrammarError, char_set, parse_regex, to_regex
 from step15_structured_output.schema import json_object_regex, schema_to_regex
 
 # (正则, 枚举字符串用的字母表)：每个正则与 re.fullmatch(..., re.ASCII) 比较字母表上长度 ≤ 4 的全部字符串
@@ -141,7 +141,7 @@ def test_invalid_regex_names_the_position_like_python(rx, pos):
     with pytest.raises(re.error) as py:
         re.compile(rx)
     assert py.value.pos == pos
-    with pytest.raises(ValueError, match=f"at position {pos}$"):
+    with pytest.raises(GrammarError, match=f"at position {pos}$"):
         parse_regex(rx)
 
 
@@ -151,7 +151,7 @@ def test_invalid_regex_names_the_position_like_python(rx, pos):
                                       ("a{1001}", "repeat count over 1000"), ("(?P<n>a)", "unsupported group"),
                                       (r"a[^\s\S]", "matches no string")])
 def test_unsupported_regex_syntax_is_refused(rx, what):
-    with pytest.raises(ValueError, match=re.escape(what) if "\\" not in what else what):
+    with pytest.raises(GrammarError, match=re.escape(what) if "\\" not in what else what):
         compile_regex(rx)
 
 
@@ -307,7 +307,7 @@ def test_json_object_is_any_object_up_to_depth_3():
     ({"type": "array", "maxItems": -1}, "maxItems must be an integer"),
 ])
 def test_unsupported_schema_is_refused_by_name(schema, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(GrammarError, match=name):
         schema_to_regex(schema)
 
 
