@@ -2,7 +2,8 @@
 
 空白：紧凑，分隔符是 ", " 与 ": "，别处没有空白，空容器写成 [] 与 {}——与 xgrammar 的
 compile_json_schema(any_whitespace=False) 逐字节相同（两边的语言一样，掩码才能逐位比较）。
-135M 的小模型在"允许任意空白"的语法下容易一直输出空格直到 max_tokens，紧凑格式没有这个出口。
+允许任意空白的语法里，模型可以一直输出空白直到 max_tokens（vLLM、Outlines 都因此改过默认的空白规则）；
+紧凑格式没有这个出口。
 
 支持的关键字：
     type（字符串或列表）、enum、const、anyOf、$ref（只在本文档内，"#/..."，不能递归）、$defs / definitions
@@ -51,7 +52,10 @@ def literal(text: str) -> str:
 
 def dump(value) -> str:
     """值按我们的空白策略写成 JSON 文本（enum / const 用）。"""
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+    except ValueError:                          # NaN / Infinity 不是 JSON
+        raise GrammarError(f"enum/const value {value!r} is not valid JSON") from None
 
 
 def group(alternatives: list[str]) -> str:

@@ -305,6 +305,8 @@ def test_json_object_is_any_object_up_to_depth_3():
     ({"enum": []}, "non-empty"),
     ({"type": "string", "enum": [1, 2]}, "no enum/const value has type string"),
     ({"type": "array", "maxItems": -1}, "maxItems must be an integer"),
+    ('{"enum": [NaN]}', "is not valid JSON"),
+    ("{not json", "JSON schema is not valid JSON"),
 ])
 def test_unsupported_schema_is_refused_by_name(schema, name):
     with pytest.raises(GrammarError, match=name):
