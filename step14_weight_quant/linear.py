@@ -30,9 +30,10 @@ class BlockLinear(nn.Module):
     def __init__(self, fmt: str, packed: torch.Tensor, in_features: int, out_features: int,
                  bias: Optional[torch.Tensor] = None):
         super().__init__()
-        if packed.shape != kernels.packed_shape(fmt, out_features, in_features):
+        if kernels.check_packed(fmt, packed, out_features) != in_features:
             raise ValueError(f"{fmt} weight {tuple(packed.shape)} does not fit ({out_features}, {in_features})")
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.code, self.lib = kernels.FMT_CODE[fmt], kernels.library()
         self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -42,8 +43,11 @@ class BlockLinear(nn.Module):
 
     def matmul(self, x):
         """x (..., in) → (..., out)，不加 bias。"""
-        y = kernels.matmul(self.fmt, x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, in) -> (M, out)
-        return y.view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)                                 # (..., in) -> (M, in)
+        if x2.dtype != torch.float32 or not x2.is_cpu or not x2.is_contiguous():
+            x2 = kernels._check_x(x2, self.in_features)                       # 不是 CPU float32 时报错；否则拷成连续
+        y = kernels.matmul_unchecked(self.lib, self.code, x2, self.packed, self.out_features, self.in_features)
+        return y.view(*x.shape[:-1], self.out_features)                      # (M, out) -> (..., out)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
