@@ -14,8 +14,9 @@
     得到 16 行的同一个位置的 q；fma(q, d, m) 就是 d·q + m——d·q 精确，只在 + m 处舍入一次，与 formats.decode
     算出的权重逐位相同——然后与广播的 x[m][k] 乘加进 16 行的累加器。内存里的权重是 4.5 位，寄存器里是 fp32；
   - 行组之间没有依赖：OpenMP 按行组分给各线程。
-这就是"权重只读 1/7 的字节、数却与 fp32 模型相同（求和顺序除外）"：激活没有被量化。llama.cpp 把激活也量化成
-8 位（Q8_1）再做整数点积，更省算力，但 logits 会变（见 docs 的测量）。
+这就是"权重只读约 1/6 的字节（Q4_1 每个权重 5 位），数却与 fp32 模型相同（求和顺序除外）"：激活没有被量化。llama.cpp 把激活也量化成
+8 位（Q8_1）再做整数点积，更省算力，但 logits 会变：这一级也在这里（q4_1_q8_1_matmul，"有损的一级"），
+用来对照。
 
 编译：与 step05 的 paged attention 内核同一条路（-O3 -march=native -fopenmp，按 CPU 缓存在
 <缓存目录>/kernels/）。源码里用 #if 选指令集：AVX-512（16 个 float 一个向量）、AVX2 + FMA（两个 8 个的），
@@ -25,7 +26,6 @@ import ctypes
 import hashlib
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -495,7 +495,7 @@ def library(lib: Optional[ctypes.CDLL] = None) -> ctypes.CDLL:
 FMT_CODE = {"f32": 0, "q4_1": 1, "q8_0": 2}
 
 
-def _check_x(x: torch.Tensor, K: int) -> torch.Tensor:
+def check_x(x: torch.Tensor, K: int) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"x must be a CPU float32 (M, {K}) matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
     return x.contiguous()
@@ -522,7 +522,7 @@ def check_packed(fmt: str, packed: torch.Tensor, out_features: int) -> int:
 def matmul(fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, lib=None) -> torch.Tensor:
     """y = x·Wᵀ：x (M, K) float32，packed 是 formats.repack_blocks / repack_f32 的结果 → (M, N) float32。"""
     K = check_packed(fmt, packed, out_features)
-    return matmul_unchecked(library(lib), FMT_CODE[fmt], _check_x(x, K), packed, out_features, K)
+    return matmul_unchecked(library(lib), FMT_CODE[fmt], check_x(x, K), packed, out_features, K)
 
 
 def matmul_unchecked(lib, code: int, x: torch.Tensor, packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -541,7 +541,7 @@ def matmul_naive(fmt: str, x: torch.Tensor, w, lib=None) -> torch.Tensor:
         N, K = w.shape[0], w.shape[1] * QK
         check_blocks(fmt, w, N, K)
         w = torch.from_numpy(np.ascontiguousarray(w))
-    x = _check_x(x, K)
+    x = check_x(x, K)
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
     library(lib).naive_matmul(FMT_CODE[fmt], x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], N, K)
     return y
@@ -563,7 +563,7 @@ def matmul_q8_activations(x: torch.Tensor, blocks: torch.Tensor, out_features: i
             or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError(f"want contiguous Q4_1 blocks ({out_features}, K/32, 20) uint8, got {tuple(blocks.shape)}")
     K = blocks.shape[1] * QK
-    x = _check_x(x, K)
+    x = check_x(x, K)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     library(lib).q4_1_q8_1_matmul(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
                                   torch.get_num_threads())

@@ -46,7 +46,7 @@ class BlockLinear(nn.Module):
         """x (..., in) → (..., out)，不加 bias。"""
         x2 = x.reshape(-1, self.in_features)                                 # (..., in) -> (M, in)
         if x2.dtype != torch.float32 or not x2.is_cpu or not x2.is_contiguous():
-            x2 = kernels._check_x(x2, self.in_features)                       # 不是 CPU float32 时报错；否则拷成连续
+            x2 = kernels.check_x(x2, self.in_features)                       # 不是 CPU float32 时报错；否则拷成连续
         y = kernels.matmul_unchecked(self.lib, self.code, x2, self.packed, self.out_features, self.in_features)
         return y.view(*x.shape[:-1], self.out_features)                      # (M, out) -> (..., out)
 
