@@ -144,10 +144,12 @@ extern "C" int isa() { return ISA; }
 // 为什么要 P 个：一次 FMA 要等上一次的结果（约 4 个周期）。M = 1 时只有一行激活，同一个累加器一串乘加排着队，
 // 算得比读得慢；分 P 个累加器轮流加，最后再合起来（求和顺序因此不同于按 k 顺序累加，误差同一量级）。
 
+// x 是转置过的一段激活 xt[k][m]（MT 行，见 block_matmul）：第 k 步要的 MT 个数相邻，都从同一个指针按常数偏移读，
+// 不必为每一行激活占一个通用寄存器（MT = 8 时寄存器不够，编译器会把行指针放到栈上，每次乘加多一次读）。
+
 // float32：行组是 (K, 16)，第 k 行是 16 个输出行的第 k 个权重
 template <int MT, int P>
-static void tile_f32(const float* __restrict__ w, int64_t K, const float* __restrict__ x, int64_t ldx,
-                     float* __restrict__ out) {
+static void tile_f32(const float* __restrict__ w, int64_t K, const float* __restrict__ x, float* __restrict__ out) {
   V16 acc[MT][P];
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m)
@@ -159,13 +161,13 @@ static void tile_f32(const float* __restrict__ w, int64_t K, const float* __rest
     for (int p = 0; p < P; ++p) {
       const V16 wk = vload(w + (k + p) * R);
 #pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m) acc[m][p] = vfma_x(x[m * ldx + k + p], wk, acc[m][p]);
+      for (int m = 0; m < MT; ++m) acc[m][p] = vfma_x(x[(k + p) * MT + m], wk, acc[m][p]);
     }
   }
   for (; k < K; ++k) {
     const V16 wk = vload(w + k * R);
 #pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m) acc[m][0] = vfma_x(x[m * ldx + k], wk, acc[m][0]);
+    for (int m = 0; m < MT; ++m) acc[m][0] = vfma_x(x[k * MT + m], wk, acc[m][0]);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
@@ -179,8 +181,7 @@ static void tile_f32(const float* __restrict__ w, int64_t K, const float* __rest
 // Q4_1：每块一条 320 字节的记录 [d 16 个 fp16 | m 16 个 fp16 | qs[j][r] 16×16 字节]
 // 第 j 个字节给出块内第 j 个（低 4 位）和第 j+16 个（高 4 位）权重：两个累加器（lo、hi）天然独立
 template <int MT, int P>
-static void tile_q4_1(const uint8_t* __restrict__ w, int64_t nb, const float* __restrict__ x, int64_t ldx,
-                      float* __restrict__ out) {
+static void tile_q4_1(const uint8_t* __restrict__ w, int64_t nb, const float* __restrict__ x, float* __restrict__ out) {
   V16 acc[MT][2 * P];
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m)
@@ -190,7 +191,7 @@ static void tile_q4_1(const uint8_t* __restrict__ w, int64_t nb, const float* __
     const uint8_t* rec = w + b * (R * 20);
     const V16 d = vhalf(rec), mn = vhalf(rec + 2 * R);
     const uint8_t* qs = rec + 4 * R;
-    const float* xb = x + b * QK;
+    const float* xb = x + b * QK * MT;
     for (int j = 0; j < 16; j += P) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
@@ -199,8 +200,8 @@ static void tile_q4_1(const uint8_t* __restrict__ w, int64_t nb, const float* __
         const V16 w_lo = vfma(lo, d, mn), w_hi = vfma(hi, d, mn);   // d·q + m，与 formats.decode 逐位相同
 #pragma GCC unroll 16
         for (int m = 0; m < MT; ++m) {
-          acc[m][2 * p] = vfma_x(xb[m * ldx + j + p], w_lo, acc[m][2 * p]);
-          acc[m][2 * p + 1] = vfma_x(xb[m * ldx + j + p + 16], w_hi, acc[m][2 * p + 1]);
+          acc[m][2 * p] = vfma_x(xb[(j + p) * MT + m], w_lo, acc[m][2 * p]);
+          acc[m][2 * p + 1] = vfma_x(xb[(j + p + 16) * MT + m], w_hi, acc[m][2 * p + 1]);
         }
       }
     }
@@ -216,8 +217,7 @@ static void tile_q4_1(const uint8_t* __restrict__ w, int64_t nb, const float* __
 
 // Q8_0：每块一条 544 字节的记录 [d 16 个 fp16 | qs[j][r] 32×16 个 int8]
 template <int MT, int P>
-static void tile_q8_0(const uint8_t* __restrict__ w, int64_t nb, const float* __restrict__ x, int64_t ldx,
-                      float* __restrict__ out) {
+static void tile_q8_0(const uint8_t* __restrict__ w, int64_t nb, const float* __restrict__ x, float* __restrict__ out) {
   V16 acc[MT][P];
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m)
@@ -227,13 +227,13 @@ static void tile_q8_0(const uint8_t* __restrict__ w, int64_t nb, const float* __
     const uint8_t* rec = w + b * (R * 34);
     const V16 d = vhalf(rec);
     const uint8_t* qs = rec + 2 * R;
-    const float* xb = x + b * QK;
+    const float* xb = x + b * QK * MT;
     for (int j = 0; j < QK; j += P) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const V16 wj = vmul(vint8(qs + (j + p) * R), d);              // d·q：精确
 #pragma GCC unroll 16
-        for (int m = 0; m < MT; ++m) acc[m][p] = vfma_x(xb[m * ldx + j + p], wj, acc[m][p]);
+        for (int m = 0; m < MT; ++m) acc[m][p] = vfma_x(xb[(j + p) * MT + m], wj, acc[m][p]);
       }
     }
   }
@@ -258,23 +258,23 @@ template <int MT> struct Chains { static constexpr int F32 = MT == 1 ? 4 : MT ==
                                                    Q8 = MT == 1 ? 4 : MT == 2 ? 2 : 1; };
 
 template <int MT>
-static void tile(int fmt, const uint8_t* w, int64_t K, const float* x, int64_t ldx, float* out) {
-  if (fmt == 0) tile_f32<MT, Chains<MT>::F32>((const float*)w, K, x, ldx, out);
-  else if (fmt == 1) tile_q4_1<MT, Chains<MT>::Q4>(w, K / QK, x, ldx, out);
-  else tile_q8_0<MT, Chains<MT>::Q8>(w, K / QK, x, ldx, out);
+static void tile(int fmt, const uint8_t* w, int64_t K, const float* xt, float* out) {
+  if (fmt == 0) tile_f32<MT, Chains<MT>::F32>((const float*)w, K, xt, out);
+  else if (fmt == 1) tile_q4_1<MT, Chains<MT>::Q4>(w, K / QK, xt, out);
+  else tile_q8_0<MT, Chains<MT>::Q8>(w, K / QK, xt, out);
 }
 
-static void tile_any(int mt, int fmt, const uint8_t* w, int64_t K, const float* x, int64_t ldx, float* out) {
+static void tile_any(int mt, int fmt, const uint8_t* w, int64_t K, const float* xt, float* out) {
   switch (mt) {
-    case 1: tile<1>(fmt, w, K, x, ldx, out); break;
-    case 2: tile<2>(fmt, w, K, x, ldx, out); break;
-    case 3: tile<3>(fmt, w, K, x, ldx, out); break;
-    case 4: tile<4>(fmt, w, K, x, ldx, out); break;
+    case 1: tile<1>(fmt, w, K, xt, out); break;
+    case 2: tile<2>(fmt, w, K, xt, out); break;
+    case 3: tile<3>(fmt, w, K, xt, out); break;
+    case 4: tile<4>(fmt, w, K, xt, out); break;
 #if defined(__AVX512F__)
-    case 5: tile<5>(fmt, w, K, x, ldx, out); break;
-    case 6: tile<6>(fmt, w, K, x, ldx, out); break;
-    case 7: tile<7>(fmt, w, K, x, ldx, out); break;
-    case 8: tile<8>(fmt, w, K, x, ldx, out); break;
+    case 5: tile<5>(fmt, w, K, xt, out); break;
+    case 6: tile<6>(fmt, w, K, xt, out); break;
+    case 7: tile<7>(fmt, w, K, xt, out); break;
+    case 8: tile<8>(fmt, w, K, xt, out); break;
 #endif
   }
 }
@@ -284,13 +284,22 @@ extern "C" void block_matmul(int fmt, const float* x, const uint8_t* w, float* y
                              int num_threads) {
   const int64_t G = (N + R - 1) / R;
   const int64_t group_bytes = fmt == 0 ? K * R * 4 : (K / QK) * R * (fmt == 1 ? 20 : 34);
+  // 激活按每 MT_MAX 行一段转置成 xt[k][m]（一次调用转一次，M·K 个数，比权重少得多）
+  static thread_local std::vector<float> xt_buf;
+  xt_buf.resize(M * K);
+  float* xt = xt_buf.data();
+  for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
+    const int64_t mt = std::min<int64_t>(MT_MAX, M - m0);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t m = 0; m < mt; ++m) xt[m0 * K + k * mt + m] = x[(m0 + m) * K + k];
+  }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t g = 0; g < G; ++g) {
     alignas(64) float out[MT_MAX * R];
     const int64_t n0 = g * R, rows = std::min<int64_t>(R, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {                  // 同一组的记录第二次读时还在缓存里
       const int mt = (int)std::min<int64_t>(MT_MAX, M - m0);
-      tile_any(mt, fmt, w + g * group_bytes, K, x + m0 * K, K, out);
+      tile_any(mt, fmt, w + g * group_bytes, K, xt + m0 * K, out);
       for (int m = 0; m < mt; ++m) std::memcpy(y + (m0 + m) * N + n0, out + m * R, rows * sizeof(float));
     }
   }
