@@ -56,7 +56,9 @@ class BlockLinear(nn.Module):
 
 class Q8ActivationLinear(nn.Module):
     """有损：y ≈ x·Wᵀ，x 每 32 个一块量化成 8 位（Q8_1）后与 Q4_1 块做整数点积，llama.cpp 在 CPU 上就这么算。
-    权重是 GGUF 原来顺序的块 (N, K/32, 20)（llama.cpp 对 Q4_1 也不重排）。logits 会变：只用来与精确的一级对照。"""
+    权重是 GGUF 原来顺序的块 (N, K/32, 20)（llama.cpp 对 Q4_1 也不重排）。logits 会变：只用来与精确的一级对照。
+    内核是 llama.cpp 的 vec_dot 的写法：一个输出一个输出地做整行点积，权重对每一行激活重新解包一次，没有按 16 行
+    交错、也没有把几行激活一起算，所以在这里它并不比精确的一级快（bench/block_matmul_bench.py 比这两者）。"""
 
     def __init__(self, blocks: torch.Tensor, in_features: int, out_features: int, bias: Optional[torch.Tensor] = None):
         super().__init__()
