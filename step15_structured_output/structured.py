@@ -10,6 +10,7 @@ GrammarMatcher.accept_token / fill_bitmask / rollback / forced_bytes。
 真正接受哪几个由 verify 决定，之后由 Sequence.append_token 一个一个推进匹配器。
 """
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -19,7 +20,8 @@ import torch
 from common.errors import UserError
 
 from .automaton import START
-from .schema import literal
+from .regex import parse_regex
+from .schema import literal, schema_to_regex
 from .token_index import CompiledGrammar, GrammarCompiler, GrammarMatcher, TokenIndex
 
 JUMP_BACKOFF_TOKENS = 4   # jump-forward 的结尾最多退回几个 token 去检查"有没有更长的 token 跨过边界"（llguidance 的取值）
@@ -37,6 +39,24 @@ class StructuredOutputsParams:
     choice: Optional[tuple[str, ...]] = None
     json_object: bool = False
 
+    def check(self) -> None:
+        """不用分词器就能查出的错（服务器收到请求时先查，400 指名字段）：给了几种、schema 里不支持的关键字、
+        正则的语法。"什么也匹配不了"要等编译成 DFA 才知道（Grammars.compile，在 add_request 里）。"""
+        kind = self.kind()
+        try:
+            if kind == "json":
+                if not isinstance(self.json, (dict, str, bool)):
+                    raise ValueError(f"a JSON schema must be an object, got {json.dumps(self.json)}")
+                parse_regex(schema_to_regex(self.json))
+            elif kind == "regex":
+                if not isinstance(self.regex, str):
+                    raise ValueError("regex must be a string")
+                parse_regex(self.regex)
+            elif kind == "choice":
+                parse_regex(choice_regex(self.choice))
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"structured output ({kind}): {e}") from None
+
     def kind(self) -> str:
         given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None] + \
                 (["json_object"] if self.json_object else [])
@@ -53,6 +73,11 @@ def choice_regex(choices) -> str:
     return "(?:" + "|".join(literal(c) for c in choices) + ")"
 
 
+# 分词器 → {(EOS, 词表大小): GrammarCompiler}：同一个分词器的 TokenIndex 只建一次，几个引擎（章节模式、测试里
+# 一次建很多个）共用它和编译好的语法。缓存的都是由分词器与语法决定的纯数据，谁来用结果都一样；分词器没了它也跟着走
+_COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class Grammars:
     """引擎里的一份：分词器的 TokenIndex（第一次有约束的请求来时才建，SmolLM2 约 1.5 秒）与编译缓存
     （同一个语法只编译一次，状态的掩码缓存跨请求共用）。没有约束的请求从不碰它：与 step09 一样快。"""
@@ -64,12 +89,16 @@ class Grammars:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            try:
-                index = TokenIndex.from_tokenizer(self.hf, self.eos_ids, self.vocab_size)
-            except ValueError as e:      # 不是 byte-level BPE 的分词器
-                raise UserError(f"structured output: {e}") from None
-            self._compiler = GrammarCompiler(index)
-            self.token_len = np.array([len(b) if b else 0 for b in index.token_bytes], dtype=np.int64)   # (词表,)
+            key = (tuple(self.eos_ids), self.vocab_size)
+            shared = _COMPILERS.setdefault(self.hf, {})
+            if key not in shared:
+                try:
+                    shared[key] = GrammarCompiler(TokenIndex.from_tokenizer(self.hf, self.eos_ids, self.vocab_size))
+                except ValueError as e:      # 不是 byte-level BPE 的分词器
+                    raise UserError(f"structured output: {e}") from None
+            self._compiler = shared[key]
+            self.token_len = np.array([len(b) if b else 0 for b in self._compiler.index.token_bytes],
+                                      dtype=np.int64)   # (文本 token 数,)：每个 token 几个字节
         return self._compiler
 
     @property
