@@ -384,3 +384,78 @@ def test_logprobs_are_of_the_masked_distribution(s):
     ids = [t for o in outs for t in o.new_token_ids]
     assert len(ids) == sum(len(o.logprobs) for o in outs) and e.structured_stats.jump_tokens == 0
     assert text(s, ids) in ("yes", "no", "maybe")
+
+
+# ---------------- 真实模型：jump-forward 与不跳的文本相同 ----------------
+
+def test_jump_forward_gives_the_same_text_on_the_real_model(real):
+    """固定键的 schema、贪心：跳与不跳的文本相同。token 不同，而且只差在强制的那几段怎么切：不跳时模型自己在开头
+    选了 `{` + `"`（两个 token），跳时按分词器的切法放进 `{"`（一个）——之后模型写的内容一样。前向少了一多半。"""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+                                               "city": {"type": "string", "maxLength": 40}},
+              "required": ["name", "age", "city"]}
+    rq = [Request(real.tok.encode("Give me a JSON object for a person called Bob who is 42 and lives in Paris.", True),
+                  48, GREEDY)]
+    outs = {}
+    for jump in (True, False):
+        e = step15.LLMEngine(real.model, step15.EngineConfig(num_blocks=16, block_size=16, jump_forward=jump),
+                             real.tok, real.tok.eos_ids)
+        outs[jump] = e.generate(rq, SO(json=schema))
+        assert outs[jump].finish_reasons == ["stop"]
+    a, b = outs[True], outs[False]
+    ta, tb = real.tok.decode(a.outputs[0]), real.tok.decode(b.outputs[0])
+    assert ta == tb and jsonschema.validate(json.loads(ta), schema) is None
+    assert a.outputs[0] != b.outputs[0]
+    assert real.tok.hf.decode(a.outputs[0][:1]) == '{"' and real.tok.hf.decode(b.outputs[0][:2]) == '{"'
+    assert a.stats.num_forwards < 0.7 * b.stats.num_forwards
+
+
+# ---------------- run.py ----------------
+
+def run_json(module, argv, capsys) -> dict:
+    """在进程内跑某一步的 run.py（与命令行同一条路），退出码 0，返回最后一行的 JSON。"""
+    from common import cli
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(module.make_parser(), module.main, argv)
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_run_py_no_constraint_equals_step09_and_reports_finish_reasons(tiny_tok_dir, capsys):
+    import step09_speculative.run as run09
+    import step15_structured_output.run as run15
+    argv = ["--model", str(tiny_tok_dir), "--prompt", "hello hello hello", "--prompt", "a b c a b c",
+            "--max-new-tokens", "12", "--json"]
+    outs = {mod: run_json(mod, argv, capsys) for mod in (run09, run15)}
+    assert [r["output_ids"] for r in outs[run09]["results"]] == [r["output_ids"] for r in outs[run15]["results"]]
+    assert outs[run09]["stats"]["forwards"] == outs[run15]["stats"]["forwards"]
+    assert [r["finish_reason"] for r in outs[run15]["results"]] == ["length", "length"]
+    res = run_json(run15, argv + ["--choice", "yes,no"], capsys)["results"]
+    assert [r["finish_reason"] for r in res] == ["stop", "stop"] and {r["text"] for r in res} <= {"yes", "no"}
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--regex", "[0-9"], "unterminated character set"),
+    (["--json-schema", '{"type": "integer", "minimum": 3}'], "unsupported keyword 'minimum'"),
+    (["--json-schema", '{"type": "string", "enum": [1]}'], "no enum/const value"),
+    (["--json-schema", "no-such-file.json"], "neither a readable file nor valid JSON"),
+    (["--regex", "a", "--choice", "b"], "at most one of"),
+    (["--choice", "a,,b"], "non-empty strings"),
+    (["--choice", "a", "--no-chunked-prefill", "--spec-method", "none"], "step15's engine"),
+    (["--choice", "a", "--min-tokens", "2"], "min_tokens"),
+])
+def test_run_py_errors(tiny_tok_dir, capsys, extra, words):
+    import step15_structured_output.run as run15
+    from conftest import cli_error
+    line = cli_error(run15, ["--model", str(tiny_tok_dir), "--prompt", "hi", "--max-new-tokens", "4", *extra], capsys)
+    assert words in line, line
+
+
+def test_run_py_reads_a_schema_file(tiny_tok_dir, tmp_path, capsys):
+    import step15_structured_output.run as run15
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    res = run_json(run15, ["--model", str(tiny_tok_dir), "--prompt", "hi", "--max-new-tokens", "16",
+                           "--json-schema", str(path), "--json"], capsys)["results"][0]
+    assert res["finish_reason"] == "stop" and json.loads(res["text"]) in ({"ok": True}, {"ok": False})
