@@ -32,6 +32,7 @@ from step08_kv_quant import engine as step08
 from step09_speculative import engine as step09
 from step09_speculative.proposer import FakeProposer
 from step10_tensor_parallel import engine as step10
+from step15_structured_output import engine as step15
 
 
 def random_logits(seed: int, vocab: int = 300, scale: float = 3.0) -> torch.Tensor:
@@ -233,6 +234,7 @@ ENGINES = {
     "step08": paged(step08, max_num_batched_tokens=8),
     "step09": paged(step09, max_num_batched_tokens=8),
     "step10": paged(step10, max_num_batched_tokens=8),
+    "step15": paged(step15, max_num_batched_tokens=8),
 }
 
 
