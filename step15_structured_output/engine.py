@@ -302,7 +302,7 @@ class LLMEngine:
         logprobs：prompt_rows 是这一块里还要的提示词位置（接着已攒的往后），采样的 token 各用自己那一行。
         step15：有约束的请求的 logits 行先铺上语法的掩码（_apply_masks），之后的一切都只看得见语法允许的 token；
         采样之后，语法唯一确定的一段直接追加（jump-forward），下一步作为一块 prefill 算。"""
-        self._apply_masks(batch, logits, logits_rows)
+        mask_errors = self._apply_masks(batch, logits, logits_rows)
         outputs, now = [], self.clock.now()
         for seq, n, rows, prows in zip(batch.seqs, batch.num_new_tokens, logits_rows, prompt_rows):
             spec = seq.spec_token_ids
@@ -329,6 +329,8 @@ class LLMEngine:
             # 没有猜测时就是一次 sample()
             r = seq.request
             try:
+                if seq.request_id in mask_errors:        # step15：这个请求的语法算不出掩码：只结束它
+                    raise mask_errors[seq.request_id]
                 tokens = verify(logits[rows.start:rows.stop], r.prompt_ids, seq.output_ids,
                                 Proposal(spec, seq.spec_probs, seq.spec_cut_q), r.params, seq.generator,
                                 r.end_ids(self.eos_ids))
@@ -368,30 +370,41 @@ class LLMEngine:
                                          logprobs=lps, prompt_logprobs=prompt_lps))
         return outputs
 
-    def _apply_masks(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> None:
+    def _apply_masks(self, batch: SchedulerOutput, logits: torch.Tensor, logits_rows: list[range]) -> dict:
         """step15：这一步要采样的、有约束的请求，它们的每一行 logits（验证猜测时 1 + k 行）的掩码一起填进一个
-        (n, ceil(V/32)) 的位图，一次铺上。"""
+        (n, ceil(V/32)) 的位图，一次铺上。返回 {request_id: 异常}：语法在某个状态一个 token 也接不上（词表里缺了
+        某个字节的分词器才会这样）的请求，由 _postprocess 只结束它们。"""
         todo = [(seq, rows) for seq, rows in zip(batch.seqs, logits_rows) if rows and seq.matcher is not None]
+        errors = {}
         if not todo:
-            return
+            return errors
         t0 = self.clock.now()
         bitmask = allocate_token_bitmask(sum(len(rows) for _, rows in todo), logits.shape[-1])   # (n, W)
         index = []
         for seq, rows in todo:
-            fill_rows(seq.matcher, seq.spec_token_ids, bitmask, len(index))
+            try:
+                fill_rows(seq.matcher, seq.spec_token_ids, bitmask, len(index))
+            except ValueError as e:
+                errors[seq.request_id] = e
+                continue
             index += rows
-        apply_token_bitmask(logits, bitmask, torch.tensor(index, device=logits.device))
+        if index:
+            apply_token_bitmask(logits, bitmask[:len(index)], torch.tensor(index, device=logits.device))
         st = self.structured_stats
         st.masked_rows += len(index)
         st.mask_steps += 1
         st.mask_seconds += self.clock.now() - t0
+        return errors
 
     def _jump(self, seq: Sequence, now: float) -> tuple[list[int], Optional[str]]:
         """step15 的 jump-forward：语法唯一确定的 token（structured.jump_forward_tokens）直接追加，不超过 max_new_tokens。
         它们与刚采样的那个 token 都还没算 K/V：num_prefill_tokens 延长到最后，下一步像被抢占后重算一样把它们作为一块
         prefill 算完（调度器为它们补块），算完的那一行 logits 采样下一个 token。返回 (追加的 token, 结束原因)。"""
         r, reason = seq.request, None
-        tokens = jump_forward_tokens(seq.matcher, self.grammars, r.max_new_tokens - len(seq.output_ids))
+        try:
+            tokens = jump_forward_tokens(seq.matcher, self.grammars, r.max_new_tokens - len(seq.output_ids))
+        except ValueError:   # 语法在强制的这段里接不上任何 token：不跳；下一步算掩码时这个请求自己报错
+            tokens = []
         for i, token in enumerate(tokens):
             reason = seq.append_token(token, self.eos_ids, self.tokenizer)
             seq.token_times.append(now)
@@ -420,7 +433,9 @@ class LLMEngine:
     def _record(self, batch: SchedulerOutput, fwd, seconds: float, outputs: list[RequestOutput]) -> None:
         """这一步的一行账。干等 = 运行集合里已经有输出、这一步却没有产出 token 的请求（在等别人的 prefill）。"""
         produced = {o.request_id for o in outputs}
-        stalled = [seq for seq in self.scheduler.running if seq.output_ids and seq.request_id not in produced]
+        # step15：看"产出过 token"而不是 output_ids：jump-forward 在第一次前向之前就放进输出的 token 还不算产出
+        stalled = [seq for seq in self.scheduler.running
+                   if seq.first_token_time is not None and seq.request_id not in produced]
         for seq in stalled:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)

@@ -459,3 +459,32 @@ def test_run_py_reads_a_schema_file(tiny_tok_dir, tmp_path, capsys):
     res = run_json(run15, ["--model", str(tiny_tok_dir), "--prompt", "hi", "--max-new-tokens", "16",
                            "--json-schema", str(path), "--json"], capsys)["results"][0]
     assert res["finish_reason"] == "stop" and json.loads(res["text"]) in ({"ok": True}, {"ok": False})
+
+
+def test_a_grammar_that_cannot_continue_ends_only_its_request(s):
+    """某个状态一个 token 也接不上（词表缺字节的分词器才会这样；这里把算掩码换成抛错来模拟）：只有这个请求以
+    "error" 结束，同一批别的请求照常写完，块全部还回来。"""
+    e = engine(s, jump_forward=False)
+    so = SO(regex="[a-z]{2,30}")
+    grammar = e.grammars.compile(so)
+    grammar.cache.clear()
+    real_compute = grammar.compute
+
+    def compute(state):
+        if state != 1:                                     # 起点（START = 1）照常，之后的状态都"接不上"
+            raise ValueError(f"no token of the vocabulary can continue the grammar from DFA state {state}")
+        return real_compute(state)
+    grammar.compute = compute
+    try:
+        bad = e.add_request(Request(s.tok.encode("hi"), 10, GREEDY), so)
+        good = e.add_request(Request(s.tok.encode("hello"), 10, GREEDY, ignore_eos=True))
+        outs = {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).append(o)
+    finally:
+        grammar.compute = real_compute
+        grammar.cache.clear()
+    assert outs[bad][-1].finish_reason == "error" and "can continue" in str(outs[bad][-1].error)
+    assert outs[good][-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs[good]) == 10
+    assert_all_free(e)
