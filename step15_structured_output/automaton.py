@@ -10,7 +10,7 @@ DFA 的表示：trans[s] 是长 256 的 list，trans[s][b] = 下一个状态；�
 """
 from dataclasses import dataclass
 
-from .regex import Alt, Chars, Concat, Repeat, parse_regex
+from .regex import Alt, Chars, Concat, GrammarError, Repeat, parse_regex
 
 DEAD, START = 0, 1
 MAX_NFA_STATES = 200_000        # 防止 {m,n} 嵌套把 NFA 撑爆（每一份重复都是一个副本）
@@ -44,7 +44,7 @@ class NFA:
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex too large: more than {MAX_NFA_STATES} automaton states")
+            raise GrammarError(f"regex too large: more than {MAX_NFA_STATES} automaton states")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -179,7 +179,7 @@ def prune_dead(dfa: DFA) -> DFA:
                 alive.add(p)
                 stack.append(p)
     if START not in alive:
-        raise ValueError("the regex matches no string")
+        raise GrammarError("the regex matches no string")
     order = [DEAD, START] + [s for s in range(2, n) if s in alive]
     new = {s: i for i, s in enumerate(order)}
     trans = [[new.get(t, DEAD) for t in dfa.trans[s]] for s in order]

@@ -7,7 +7,7 @@
     量词 ? * + {m} {m,} {m,n} {,n}（后面跟 ? 的懒惰写法语言相同，照收）
     \\d = [0-9]、\\w = [A-Za-z0-9_]、\\s = [ \\t\\n\\r\\f\\v]（ASCII 含义，约束解码的惯例）；大写是补集
     开头的 ^、结尾的 $（整串匹配，本来就锚定，等于没写）
-不支持的（反向引用、环视、\\b、命名组……）报 ValueError，信息里带出错的位置。
+不支持的（反向引用、环视、\\b、命名组……）报 GrammarError，信息里带出错的位置。
 
 json_string=True：这个正则描述的是 JSON 字符串的 *内容*（schema 的 pattern），输出的却是 JSON 文本。
 字面字符按 JSON 的写法输出（" 写成 \\"，换行写成 \\n）；字符类与 . 去掉必须转义的字符（" \\ 与 U+0000–U+001F）——
@@ -16,6 +16,12 @@ json_string=True：这个正则描述的是 JSON 字符串的 *内容*（schema 
 import json
 import re
 from dataclasses import dataclass
+
+from common.errors import UserError
+
+class GrammarError(UserError, ValueError):
+    """正则或 JSON schema 不合法、不支持：是用户的输入（run.py 打印成一行 error:，服务器回 400）。"""
+
 
 MAX_CODEPOINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)        # UTF-8 不能编码代理码点，所有集合都不含它们
@@ -90,7 +96,7 @@ QUANTIFIER = re.compile(r"\{(\d*)(,(\d*))?\}")      # 同 Python：{} 不是量�
 
 
 def parse_regex(pattern: str, json_string: bool = False):
-    """pattern → AST。出错时 ValueError（"… at position N"）。"""
+    """pattern → AST。出错时 GrammarError（"… at position N"）。"""
     return _Parser(pattern, json_string).parse()
 
 
@@ -99,7 +105,7 @@ class _Parser:
         self.p, self.i, self.json_string = pattern, 0, json_string
 
     def error(self, msg: str, pos: int | None = None):
-        return ValueError(f"invalid regex {self.p!r}: {msg} at position {self.i if pos is None else pos}")
+        return GrammarError(f"invalid regex {self.p!r}: {msg} at position {self.i if pos is None else pos}")
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
@@ -240,11 +246,8 @@ class _Parser:
         return self.escape(self.i - 1) if c == "\\" else c
 
     def chars(self, cs: Chars):
-        if self.json_string:
-            cs = intersect(cs, JSON_SAFE)
-        if not cs.ranges:
-            raise self.error("character set matches nothing" + (" (inside a JSON string)" if self.json_string else ""))
-        return cs
+        # 空集合（[^\s\S]，或 JSON 字符串里的 [\x00-\x1f]）照收，同 Python：那个分支走不通，DFA 剪枝时去掉它
+        return intersect(cs, JSON_SAFE) if self.json_string else cs
 
     def literal_char(self, c: str):
         # JSON 字符串里 " \\ 与控制字符要转义：输出的是转义后的写法（json.dumps 的规则）
@@ -254,9 +257,11 @@ class _Parser:
 def to_regex(node) -> str:
     """AST → 正则字符串（parse_regex 的逆）：schema.py 把 pattern 放进更大的正则时用。"""
     if isinstance(node, Chars):
+        if not node.ranges:
+            return r"[^\s\S]"                  # 空集
         if len(node.ranges) == 1 and node.ranges[0][0] == node.ranges[0][1]:
-            return _char(node.ranges[0][0], "\\.^$|?*+()[]{}")
-        body = "".join(_char(lo, "\\]^-[") + ("" if lo == hi else "-" + _char(hi, "\\]^-["))
+            return escape_char(node.ranges[0][0], "\\.^$|?*+()[]{}")
+        body = "".join(escape_char(lo, "\\]^-[") + ("" if lo == hi else "-" + escape_char(hi, "\\]^-["))
                        for lo, hi in node.ranges)
         return f"[{body}]"
     if isinstance(node, Concat):
@@ -272,7 +277,7 @@ def to_regex(node) -> str:
     raise TypeError(node)
 
 
-def _char(cp: int, special: str) -> str:
+def escape_char(cp: int, special: str) -> str:
     c = chr(cp)
     if cp < 0x20 or cp == 0x7F:
         return f"\\x{cp:02x}"

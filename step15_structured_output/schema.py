@@ -2,7 +2,8 @@
 
 空白：紧凑，分隔符是 ", " 与 ": "，别处没有空白，空容器写成 [] 与 {}——与 xgrammar 的
 compile_json_schema(any_whitespace=False) 逐字节相同（两边的语言一样，掩码才能逐位比较）。
-135M 的小模型在"允许任意空白"的语法下容易一直输出空格直到 max_tokens，紧凑格式没有这个出口。
+允许任意空白的语法里，模型可以一直输出空白直到 max_tokens（vLLM、Outlines 都因此改过默认的空白规则）；
+紧凑格式没有这个出口。
 
 支持的关键字：
     type（字符串或列表）、enum、const、anyOf、$ref（只在本文档内，"#/..."，不能递归）、$defs / definitions
@@ -24,7 +25,7 @@ JSON 不是正则语言：嵌套的 [ ] { } 要配对，需要一个栈（下推
 """
 import json
 
-from .regex import _char, parse_regex, to_regex
+from .regex import GrammarError, escape_char, parse_regex, to_regex
 
 REGEX_SPECIAL = "\\.^$|?*+()[]{}"
 STRING_CHAR = r'(?:[^\x00-\x1f"\\]|\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4}))'   # 一个 JSON 字符串里的字符
@@ -46,12 +47,15 @@ BY_TYPE = {"object": {"properties", "required", "additionalProperties"},
 
 def literal(text: str) -> str:
     """一段必须原样出现的文本 → 正则。"""
-    return "".join(_char(ord(c), REGEX_SPECIAL) for c in text)
+    return "".join(escape_char(ord(c), REGEX_SPECIAL) for c in text)
 
 
 def dump(value) -> str:
     """值按我们的空白策略写成 JSON 文本（enum / const 用）。"""
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+    except ValueError:                          # NaN / Infinity 不是 JSON
+        raise GrammarError(f"enum/const value {value!r} is not valid JSON") from None
 
 
 def group(alternatives: list[str]) -> str:
@@ -89,12 +93,12 @@ def json_object_regex(max_depth: int = DEFAULT_MAX_DEPTH) -> str:
 
 
 def schema_to_regex(schema, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
-    """schema（dict 或 JSON 文本）→ 正则。不支持的内容报 ValueError，信息里有关键字的名字与它在 schema 里的位置。"""
+    """schema（dict 或 JSON 文本）→ 正则。不支持的内容报 GrammarError，信息里有关键字的名字与它在 schema 里的位置。"""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise ValueError(f"JSON schema is not valid JSON: {e}") from None
+            raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
     return _Converter(schema, max_depth).convert(schema, "#", ())
 
 
@@ -103,7 +107,7 @@ class _Converter:
         self.root, self.max_depth = root, max_depth
 
     def error(self, where: str, msg: str):
-        return ValueError(f"JSON schema at {where}: {msg}")
+        return GrammarError(f"JSON schema at {where}: {msg}")
 
     def convert(self, s, where: str, refs: tuple) -> str:
         """refs：正在展开的 $ref 链，用来发现递归。"""

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from step15_structured_output.automaton import DEAD, START, compile_regex, utf8_sequences
-from step15_structured_output.regex import char_set, parse_regex, to_regex
+from step15_structured_output.regex import GrammarError, char_set, parse_regex, to_regex
 from step15_structured_output.schema import json_object_regex, schema_to_regex
 
 # (正则, 枚举字符串用的字母表)：每个正则与 re.fullmatch(..., re.ASCII) 比较字母表上长度 ≤ 4 的全部字符串
@@ -21,7 +21,7 @@ REGEXES = [
     (r"a{2,}|b{1,3}c", "abc"),
     (r"[^a-c]+é\d{2,3}", "aé1x\n"),
     (r".+", "a\n中é"),
-    (r"\w+\s\W", "a_ \n-"),
+    (r"\w+\s\W", "a_ \n-\r\x0b\x0c\x1c"),
     (r"\S\D*", " 1a\t"),
     (r"[]a-]x|[\]\-]", "]a-x\\"),
     (r"a{}|x{2}", "a{}x"),
@@ -32,6 +32,7 @@ REGEXES = [
     (r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?", "-0.19"),
     (r"(a?){3}b??", "ab"),
     (r"", "a"),
+    (r"(?:a[^\s\S]|b)c|[^\d\D]*d", "abcd"),      # 空字符类：走不通的分支
 ]
 
 
@@ -140,22 +141,25 @@ def test_invalid_regex_names_the_position_like_python(rx, pos):
     with pytest.raises(re.error) as py:
         re.compile(rx)
     assert py.value.pos == pos
-    with pytest.raises(ValueError, match=f"at position {pos}$"):
+    with pytest.raises(GrammarError, match=f"at position {pos}$"):
         parse_regex(rx)
 
 
 @pytest.mark.parametrize("rx, what", [("(?=a)b", "unsupported group syntax"), (r"(a)\1", r"unsupported escape \\1"),
                                       (r"\bword", r"unsupported escape \\b"), ("a^b", "only supported at the start"),
                                       ("a$b", "only supported at the start"), (r"\x4", "bad escape"),
-                                      ("a{1001}", "repeat count over 1000"), ("(?P<n>a)", "unsupported group")])
+                                      ("a{1001}", "repeat count over 1000"), ("(?P<n>a)", "unsupported group"),
+                                      (r"a[^\s\S]", "matches no string")])
 def test_unsupported_regex_syntax_is_refused(rx, what):
-    with pytest.raises(ValueError, match=re.escape(what) if "\\" not in what else what):
+    with pytest.raises(GrammarError, match=re.escape(what) if "\\" not in what else what):
         compile_regex(rx)
 
 
 def test_dead_states_are_pruned():
-    """剪枝之后：除 DEAD 外每个状态都能走到接受状态（掩码只看"走完 token 后是否还活着"靠的就是它）。"""
-    dfa = compile_regex(r'"(?:[^"\\]|\\.)*"|[0-9]{2,4}|(?:ab|ac)d')
+    r"""剪枝之后：除 DEAD 外每个状态都能走到接受状态（掩码只看"走完 token 后是否还活着"靠的就是它）。
+    [^\s\S] 是空集：子集构造给 "a" 之后一个非空的 NFA 状态集合，它却永远到不了接受状态，必须并进 DEAD。"""
+    dfa = compile_regex(r'"(?:[^"\\]|\\.)*"|[0-9]{2,4}|(?:ab|ac)d|xa[^\s\S]')
+    assert dfa.walk(START, b"xa") == DEAD
     reach = {s for s in range(dfa.num_states) if dfa.accepting[s]}
     changed = True
     while changed:
@@ -301,9 +305,11 @@ def test_json_object_is_any_object_up_to_depth_3():
     ({"enum": []}, "non-empty"),
     ({"type": "string", "enum": [1, 2]}, "no enum/const value has type string"),
     ({"type": "array", "maxItems": -1}, "maxItems must be an integer"),
+    ('{"enum": [NaN]}', "is not valid JSON"),
+    ("{not json", "JSON schema is not valid JSON"),
 ])
 def test_unsupported_schema_is_refused_by_name(schema, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(GrammarError, match=name):
         schema_to_regex(schema)
 
 
