@@ -59,10 +59,10 @@ from .quant import kv_format
 from .rejection_sampler import verify
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Logprob, RequestOutput, Sequence
-from .structured import (Grammars, StructuredOutputsParams, apply_token_bitmask, check_sampled, fill_rows,
-                         jump_forward_tokens, legal_prefix)
+from .structured import (Grammars, StructuredOutputsParams, check_sampled, fill_rows, jump_forward_tokens,
+                         legal_prefix)
 from .swap import SwapSpace
-from .token_index import allocate_token_bitmask
+from .token_index import allocate_token_bitmask, apply_token_bitmask_
 
 # 按请求关掉投机：一个请求最近 SPEC_WINDOW 次验证的平均接受率低于 SPEC_MIN_ACCEPTANCE，就有 SPEC_PAUSE_STEPS 步
 # 不猜（照常 decode），然后重新试。验证 k 个猜测要花 c(k) 次 decode 的时间，划算要 接受率 > (c(k) − 1) / k：
@@ -388,8 +388,9 @@ class LLMEngine:
                 errors[seq.request_id] = e
                 continue
             index += rows
-        if index:
-            apply_token_bitmask(logits, bitmask[:len(index)], torch.tensor(index, device=logits.device))
+        if index:   # 在一切别的处理（logit_bias、惩罚、温度、top-k/p）之前；-inf 经过惩罚也还是极小，softmax 后正好是 0
+            rows = torch.tensor(index, device=logits.device)
+            logits[rows] = apply_token_bitmask_(logits[rows], bitmask[:len(index)])
         st = self.structured_stats
         st.masked_rows += len(index)
         st.mask_steps += 1

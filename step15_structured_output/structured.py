@@ -1,5 +1,6 @@
 """引擎这一侧的结构化输出：请求带的约束（StructuredOutputsParams，vLLM 的名字）→ 每个请求一个 GrammarMatcher；
-一批的掩码怎么铺到 logits 上；投机解码的猜测怎么按语法截断；jump-forward 的 token 怎么定。
+一批请求的各行掩码怎么填；投机解码的猜测怎么按语法截断；jump-forward 的 token 怎么定（铺到 logits 上用
+token_index.apply_token_bitmask_）。
 
 语法本身（正则 → DFA、JSON Schema → 正则、词表 × DFA → 掩码）在 regex.py / automaton.py / schema.py / token_index.py；
 这里只用它们的接口：GrammarCompiler.compile_regex / compile_json_schema / compile_json_object、
@@ -148,16 +149,6 @@ def fill_rows(matcher: GrammarMatcher, spec: list[int], bitmask: torch.Tensor, r
     matcher.rollback(len(spec))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits (R, V) 的 rows 这几行里，不允许的 token 置成 -inf（原地）。bitmask (n, ceil(V/32)) int32 与 rows (n,) 对应。
-    在一切别的处理（logit_bias、惩罚、温度、top-k/p）之前：之后的每一步看到的就是语法允许的那部分分布
-    （vLLM 同样在采样器之前铺掩码；-inf 经过惩罚也还是极小，softmax 之后正好是 0）。"""
-    # 位 → bool：numpy 的 unpackbits 一次解开（按字节小端，token i 就是第 i 位），比 torch 的移位快一个数量级
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[-1]]   # (n, V)
-    allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
 def legal_prefix(matcher: GrammarMatcher, tokens: list[int]) -> int:
     """tokens 从头起有几个是语法允许的（一个一个接受，最后退回原处）。投机解码的猜测在第一个不合法的 token 处截断
     （vLLM 的 validate_tokens）：不合法的猜测反正会被拒绝，不值得为它算一个位置。"""
@@ -186,6 +177,18 @@ def check_sampled(matcher: GrammarMatcher, tokens: list[int]) -> None:
 
 # ---------------- jump-forward ----------------
 
+def complete_utf8(data: bytes) -> int:
+    """data 去掉结尾不完整的那个 UTF-8 字符后的长度（forced_bytes 可能停在一个字符中间：分词器只能切完整的文本）。"""
+    k = len(data)
+    while k > 0 and 0x80 <= data[k - 1] < 0xC0:      # 往回跳过续字节，找到最后一个字符的首字节
+        k -= 1
+    if k == 0:
+        return len(data)                              # 全是续字节：交给 decode 去报错（不跳）
+    lead = data[k - 1]
+    need = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return len(data) if k - 1 + need <= len(data) else k - 1
+
+
 def jump_forward_tokens(matcher: GrammarMatcher, grammars: Grammars, cap: int, with_eos: bool = True) -> list[int]:
     """从匹配器现在的状态起，语法唯一确定的那段字节（forced_bytes）变成的 token，至多 cap 个；不接受它们。
 
@@ -203,11 +206,12 @@ def jump_forward_tokens(matcher: GrammarMatcher, grammars: Grammars, cap: int, w
         return []
     index, grammar = grammars.index, matcher.grammar
     forced, tokens = matcher.forced_bytes(), []
+    forced = forced[:complete_utf8(forced)]
     if forced:
-        try:
+        try:     # 开头是半个字符（补完上一个 token 留下的）时解不开：不跳，照常采样
             tokens = grammars.encode(forced.decode("utf-8"))
         except UnicodeDecodeError:
-            tokens = []
+            return []
         spelled = [index.token_bytes[t] if t < len(index.token_bytes) else None for t in tokens]
         if any(b is None for b in spelled) or b"".join(spelled) != forced:
             return []            # 分词器拼不出这段字节（例如把文本认成了特殊 token）：不跳，照常一个一个采样

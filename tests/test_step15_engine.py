@@ -304,6 +304,8 @@ def test_jump_forward_backs_off_a_token_that_could_span_the_boundary(s):
     rest = forced(SO(choice=("Paris", "Beijing")), "B")
     assert rest[-1] in s.tok.eos_ids and hf.decode(rest[:-1]) == "eijing"
     assert forced(SO(regex="[0-9]+"), "") == []        # 没有唯一确定的字节
+    assert forced(SO(choice=("é1", "è2")), "") == []   # 只确定了半个字符（共同的首字节 0xC3）：分词器切不了，不跳
+    assert hf.decode(forced(SO(choice=("xyzé1", "xyzè2")), "")) in ("xyz", "xy", "x")   # 截到完整的字符为止
     assert jump_forward_tokens(e.grammars.matcher(SO(json=schema)), e.grammars, 2) == toks[:2]   # 至多 cap 个
 
 
