@@ -490,3 +490,19 @@ def test_a_grammar_that_cannot_continue_ends_only_its_request(s):
     assert outs[bad][-1].finish_reason == "error" and "can continue" in str(outs[bad][-1].error)
     assert outs[good][-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs[good]) == 10
     assert_all_free(e)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40), SamplingParams(temperature=1e6, seed=1),
+    SamplingParams(temperature=0.8, repetition_penalty=1e-40, seed=1),
+    SamplingParams(temperature=0.8, repetition_penalty=1e6, seed=1), SamplingParams(temperature=0.8, top_p=1e-30, seed=1),
+    SamplingParams(temperature=1e-5, repetition_penalty=1e-40, frequency_penalty=-2, presence_penalty=-2, seed=1,
+                   logit_bias={s_: 100.0 for s_ in range(3)}),
+], ids=["t1e-40", "t1e6", "rp1e-40", "rp1e6", "topp1e-30", "mixed"])
+def test_extreme_sampling_values_stay_inside_the_grammar(s, params):
+    """惩罚把 -inf 夹成 -1e30、温度 1e6 把分布压平、logit_bias +100 加在被屏蔽的特殊 token 上：被屏蔽的 token 的概率
+    仍然是 0，输出仍然合法。"""
+    so = SO(regex=r"[0-9]{2}-(?:yes|no)")
+    e = engine(s)
+    out = e.generate([Request(s.tok.encode("hi there"), 12, params)], so)
+    assert out.finish_reasons == ["stop"] and re.fullmatch(r"[0-9]{2}-(?:yes|no)", text(s, out.outputs[0]))
