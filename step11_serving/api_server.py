@@ -53,17 +53,18 @@ class ServerSettings:
     retry_after_s: int = 1        # 503 时告诉客户端多久以后再试
     max_logprobs: Optional[int] = None   # logprobs 的 k 的上限（vLLM 的 max_logprobs）；None = 引擎不算 logprobs
     chunk_marks: bool = False     # 引擎的 add_request 收段标记吗（step13）：completions 的 chunk_separator
+    structured_output: bool = False   # 引擎做结构化输出吗（step15）：response_format、structured_outputs
 
 
 DEFAULT_MAX_LOGPROBS = 20         # 与 vLLM 的 max_logprobs 默认值相同
 
 
 def settings_for(session, engine, block_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **kw) -> ServerSettings:
-    from .engines import accepts_chunks, computes_logprobs
+    from .engines import accepts_chunks, accepts_structured_output, computes_logprobs
     return ServerSettings(Path(session.path).name, session.cfg.max_position_embeddings, session.cfg.vocab_size,
                           engine.block_manager.num_blocks * block_size,
                           max_logprobs=max_logprobs if computes_logprobs(engine) else None,
-                          chunk_marks=accepts_chunks(engine), **kw)
+                          chunk_marks=accepts_chunks(engine), structured_output=accepts_structured_output(engine), **kw)
 
 
 class AbortOnExitStreamingResponse(StreamingResponse):
@@ -252,15 +253,17 @@ plain = APIRouter()                                                      # 不�
 async def chat_completions(request: Request):
     arrival = time.perf_counter()
     s = request.app.state.settings
-    req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+    req = P.parse_request(P.ChatCompletionRequest, await read_json(request), s.structured_output)
     check_model(s, req.model)
+    structured = P.structured_output(req, s.structured_output)
     P.chunk_marks(req, request.app.state.tok, s.chunk_marks)          # 给了 chunk_separator：400，说明为什么
     ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages,   # 模板与分词不占事件循环
                                   req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
                                   req.documents, req.chat_template_kwargs)
     prompts = P.truncate_prompts(req, [ids], s.context_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs,
+                             structured=structured)
     return await submit(request, req, inputs, True, 1, arrival)
 
 
@@ -268,8 +271,9 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     arrival = time.perf_counter()
     s = request.app.state.settings
-    req = P.parse_request(P.CompletionRequest, await read_json(request))
+    req = P.parse_request(P.CompletionRequest, await read_json(request), s.structured_output)
     check_model(s, req.model)
+    structured = P.structured_output(req, s.structured_output)
     marked = await asyncio.to_thread(P.chunk_marks, req, request.app.state.tok, s.chunk_marks)   # step13 的段标记
     if marked is not None:
         prompts, chunks = marked
@@ -283,7 +287,7 @@ async def completions(request: Request):
     prompts = P.truncate_prompts(req, prompts, s.context_len)
     max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
     inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs,
-                             chunks)
+                             chunks, structured)
     echo = None
     if req.echo:   # 字符串提示词原样带回（与 OpenAI、vLLM 相同），token id 的提示词带回它的解码
         raw = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt

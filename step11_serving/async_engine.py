@@ -243,7 +243,9 @@ class AsyncLLMEngine:
                 for r in h.requests:                       # 停止串由这一层找（见文件开头），引擎不必每步重新解码
                     chunks = getattr(r, "chunks", None)   # 段标记（step13）：给了才传，别的引擎的 add_request 没有这个参数
                     marks = () if chunks is None else (list(chunks),)
-                    h.request_ids.append(self.engine.add_request(replace(r, stop=()), *marks))
+                    so = getattr(r, "structured_output", None)   # 约束（step15）：同上，给了才传
+                    extra = {} if so is None else {"structured_output": so}
+                    h.request_ids.append(self.engine.add_request(replace(r, stop=()), *marks, **extra))
             except Exception as e:                         # 通常是 UserError：这个 HTTP 请求得到 400
                 for rid in h.request_ids:                  # n 个样本里前几个已经加进去了：一起撤回
                     self.engine.abort(rid)

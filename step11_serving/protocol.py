@@ -10,13 +10,18 @@
 - logprobs（completions 的 `logprobs: k` 与 `echo`，chat 的 `logprobs: true, top_logprobs: k`）：只有算它们的引擎
   （step09、step10）接受，k 至多 --max-logprobs；线上的形状在 logprobs.py；
 - chunk_separator（completions 的扩展字段，只有 --engine step13 接受）：字符串提示词在分隔符处切开，前面每片是一段
-  （检索到的文档），最后一片是问题——LMCache 的 blend_special_str 的做法；分词与 step13 的 run.py --chunk-sep 相同。
+  （检索到的文档），最后一片是问题——LMCache 的 blend_special_str 的做法；分词与 step13 的 run.py --chunk-sep 相同；
+- 结构化输出（只有 --engine step15 接受，别的引擎 400 指名字段）：OpenAI 的 response_format
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}} 与 {"type": "json_object"}，
+  以及 vLLM 的扩展字段 structured_outputs {"json" | "regex" | "choice" | "json_object"}（二者至多给一个）；
+  schema 里不支持的关键字、写错的正则 400 说出名字（structured_output）。vLLM 已经删掉的 guided_* 字段只收 null。
 
 数值字段严格按 JSON 类型检查（"0.5" 不是数字、"yes" 不是布尔值），取值范围由 step02 的 SamplingParams.validate
 和引擎的 add_request 检查——同一份规则，命令行和 HTTP 给出同样的错误信息。
 """
 import inspect
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ from common.errors import UserError
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 from step13_kv_blend.chunk_cache import build_prompt, split_prompt   # 段标记的分词：与 step13 的 run.py 同一份
+from step15_structured_output.structured import StructuredOutputsParams   # 约束：与 step15 的 run.py 同一个类
 
 MAX_N = 16                      # 一个请求最多要几个样本（OpenAI 允许 128；CPU 上 16 已经是好几批）
 # 停止字符串的上限。OpenAI 允许 4 个；常见的客户端（对话模板的几个结束标记）偶尔多于 4 个，所以放宽到 16 个、
@@ -105,8 +111,10 @@ class _SamplingRequest(_Model):
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False   # vLLM 的扩展：每个 choice 带上 prompt_token_ids / token_ids（run.py 用它）
     user: Optional[StrictStr] = None       # OpenAI：终端用户的标识，只用于对方的滥用监测；这里接受、不用
-    # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
+    # 结构化输出（--engine step15）：形状在 structured_output 里检查；别的引擎只接受等于没用的值（UNSUPPORTED）
     response_format: object = None
+    structured_outputs: object = None
+    # 以下没有实现：只接受不改变行为的值（见 UNSUPPORTED），其余 400
     # ---- vLLM 的请求字段（第 11 章第 5 节的字段表逐个说明为什么）----
     truncate_prompt_tokens: Optional[StrictInt] = None   # 只留提示词的最后 k 个 token（-1：上下文长度）
     request_id: Optional[StrictStr] = None               # 响应的 id 是 "chatcmpl-<它>" / "cmpl-<它>"
@@ -125,7 +133,6 @@ class _SamplingRequest(_Model):
     cache_salt: object = None
     kv_transfer_params: object = None
     vllm_xargs: object = None
-    structured_outputs: object = None
     guided_json: object = None
     guided_regex: object = None
     guided_choice: object = None
@@ -206,9 +213,10 @@ def json_depth(obj) -> int:
     return depth
 
 
-def parse_request(cls, obj: dict):
+def parse_request(cls, obj: dict, structured: bool = False):
+    """structured：服务的引擎做结构化输出（step15）——response_format 与 structured_outputs 由 structured_output 检查。"""
     req = validate_body(cls, obj)
-    _reject_unsupported(req)
+    _reject_unsupported(req, STRUCTURED_FIELDS if structured else ())
     return req
 
 
@@ -245,19 +253,21 @@ UNSUPPORTED = {
     "mm_processor_kwargs": (None, {}), "prompt_embeds": (None,),
 }
 CHAT_UNSUPPORTED = {"echo": (None, False)}   # completions 的 echo 实现了；chat 的（把最后一条消息接在回答前面）没有
+STRUCTURED_FIELDS = ("response_format", "structured_outputs")   # --engine step15 实现了它们
 
 
-def _reject_unsupported(req: _SamplingRequest) -> None:
+def _reject_unsupported(req: _SamplingRequest, implemented=()) -> None:
     table = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if isinstance(req, ChatCompletionRequest) else UNSUPPORTED
     for name, allowed in table.items():
-        if name not in type(req).model_fields:
+        if name not in type(req).model_fields or name in implemented:
             continue
         value = getattr(req, name)
         if name == "best_of" and value == req.n:
             continue
         if not any(_same(value, a) for a in allowed):
+            hint = "; structured output needs --engine step15" if name in STRUCTURED_FIELDS else ""
             raise APIError(400, f"{name} is not supported by this server (only {' / '.join(map(_show, allowed))} "
-                                f"is accepted: it changes nothing), got {json.dumps(value)}", param=name)
+                                f"is accepted: it changes nothing{hint}), got {json.dumps(value)}", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be given together with stream=true", param="stream_options")
     so = req.stream_options
@@ -310,6 +320,7 @@ class ServedRequest(Request):
     """服务器的请求：引擎的 Request（step04）加上只有文本那一侧（async_engine 的增量解码器）用的选项；引擎不看它们。"""
     include_stop_str_in_output: bool = False   # 文本里保留停止串（或结束它的那个停止 token 的文本），同 vLLM
     chunks: Optional[tuple] = None             # 例外：段标记，async_engine 给了才作为 add_request 的第二个参数交给引擎
+    structured_output: Optional[StructuredOutputsParams] = None   # 例外：约束，async_engine 给了才交给引擎（step15）
 
 
 @dataclass
@@ -420,6 +431,94 @@ def chunk_marks(req, tok, accepts_chunks: bool) -> Optional[tuple[list[list[int]
     return ids, chunks
 
 
+def structured_output(req: _SamplingRequest, accepts: bool) -> Optional[StructuredOutputsParams]:
+    """response_format（OpenAI）或 structured_outputs（vLLM 的扩展）→ 引擎的约束；都没给（或 {"type": "text"}）时 None。
+    accepts：服务的引擎做结构化输出（step15）；不做时 parse_request 已经按 UNSUPPORTED 拒绝了别的值。
+    形状不对、两个都给、schema 里不支持的关键字、写错的正则：400 指名字段（消息里有关键字的名字）。"""
+    rf, so = req.response_format, req.structured_outputs
+    if not accepts or (rf is None or rf == {"type": "text"}) and so is None:
+        return None
+    if so is not None and rf is not None and rf != {"type": "text"}:
+        raise APIError(400, "give at most one of response_format and structured_outputs", param="structured_outputs")
+    if so is not None:
+        params, name = _structured_outputs(so), "structured_outputs"
+    else:
+        params, name = _response_format(rf), "response_format"
+    try:
+        params.check()
+    except UserError as e:
+        raise APIError(400, str(e), param=name) from None
+    return params
+
+
+def _response_format(rf) -> StructuredOutputsParams:
+    """OpenAI 的 response_format：{"type": "json_object"}，或 {"type": "json_schema", "json_schema": {"name": ..., "schema":
+    {...}, "strict": ..., "description": ...}}（vLLM 同样接受 schema 不写、按任意 JSON 处理；这里要 schema：不写就说清楚）。"""
+    name = "response_format"
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f'{name} must be {{"type": "text" | "json_object" | "json_schema", ...}}, got '
+                            f"{json.dumps(rf)}", param=name)
+    if rf["type"] == "json_object":
+        if set(rf) != {"type"}:
+            raise APIError(400, f"{name}: json_object takes no other field, got {sorted(set(rf) - {'type'})}", param=name)
+        return StructuredOutputsParams(json_object=True)
+    js = rf.get("json_schema")
+    if set(rf) != {"type", "json_schema"} or not isinstance(js, dict):
+        raise APIError(400, f'{name}: json_schema needs exactly {{"type": "json_schema", "json_schema": {{...}}}}',
+                       param=name)
+    unknown = set(js) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise APIError(400, f"{name}.json_schema: unknown field {sorted(unknown)[0]!r}", param=f"{name}.json_schema")
+    if not isinstance(js.get("name"), str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", js["name"]):
+        raise APIError(400, f"{name}.json_schema.name must match [a-zA-Z0-9_-]{{1,64}} (OpenAI's rule)",
+                       param=f"{name}.json_schema.name")
+    if not isinstance(js.get("schema"), dict):
+        raise APIError(400, f"{name}.json_schema.schema must be a JSON schema object", param=f"{name}.json_schema.schema")
+    if not isinstance(js.get("strict", False), (bool, type(None))) or not isinstance(js.get("description", ""), (str, type(None))):
+        raise APIError(400, f"{name}.json_schema: strict must be a boolean and description a string", param=name)
+    # strict 不改变什么：这里的 schema 本来就按 strict 的意思做（没写 additionalProperties 时只生成声明过的属性，schema.py）
+    return StructuredOutputsParams(json=js["schema"])
+
+
+STRUCTURED_OUTPUTS_DEFAULTS = {   # vLLM 的 StructuredOutputsParams 里这里没实现的字段：只收等于没用的值
+    "grammar": (None,), "structural_tag": (None,), "whitespace_pattern": (None,), "disable_fallback": (None, False),
+    "disable_any_whitespace": (None, False, True), "disable_additional_properties": (None, False, True),
+}
+
+
+def _structured_outputs(so) -> StructuredOutputsParams:
+    """vLLM 的 structured_outputs：{"json": schema | "json 文本"} / {"regex": "..."} / {"choice": [...]} /
+    {"json_object": true}，恰好一种。disable_any_whitespace、disable_additional_properties 收 true 也收 false：
+    这里的 JSON 本来就是紧凑的、只有声明过的属性（schema.py），两个值的结果相同。"""
+    name = "structured_outputs"
+    if not isinstance(so, dict):
+        raise APIError(400, f"{name} must be an object, got {json.dumps(so)}", param=name)
+    for k, v in so.items():
+        if k in STRUCTURED_OUTPUTS_DEFAULTS:
+            if not any(_same(v, a) for a in STRUCTURED_OUTPUTS_DEFAULTS[k]):
+                raise APIError(400, f"{name}.{k} is not supported by this server, got {json.dumps(v)}",
+                               param=f"{name}.{k}")
+        elif k not in ("json", "regex", "choice", "json_object"):
+            raise APIError(400, f"unknown field `{name}.{k}`", param=f"{name}.{k}")
+    json_schema, regex, choice = so.get("json"), so.get("regex"), so.get("choice")
+    json_object = so.get("json_object")
+    if json_object not in (None, True, False):
+        raise APIError(400, f"{name}.json_object must be a boolean", param=f"{name}.json_object")
+    if regex is not None and not isinstance(regex, str):
+        raise APIError(400, f"{name}.regex must be a string", param=f"{name}.regex")
+    if choice is not None and not (isinstance(choice, list) and all(isinstance(c, str) for c in choice)):
+        raise APIError(400, f"{name}.choice must be a list of strings", param=f"{name}.choice")
+    if json_schema is not None and not isinstance(json_schema, (dict, str)):
+        raise APIError(400, f"{name}.json must be a JSON schema (an object, or its JSON text)", param=f"{name}.json")
+    given = [k for k, v in (("json", json_schema), ("regex", regex), ("choice", choice)) if v is not None]
+    given += ["json_object"] if json_object else []
+    if len(given) != 1:
+        raise APIError(400, f"{name} needs exactly one of json, regex, choice, json_object; got "
+                            f"{', '.join(given) or 'none'}", param=name)
+    return StructuredOutputsParams(json=json_schema, regex=regex, choice=None if choice is None else tuple(choice),
+                                   json_object=bool(json_object))
+
+
 def sampling_params(req: _SamplingRequest) -> SamplingParams:
     """OpenAI 的默认值（temperature 1、top_p 1）；top_k 的 -1 是 vLLM 的"不限制"，我们的是 0。"""
     top_k = req.top_k if req.top_k is not None else 0
@@ -462,18 +561,19 @@ def logprob_counts(req: _SamplingRequest, max_tokens: Optional[int],
     if max_logprobs is None and (k is not None or prompt is not None):
         which = "logprobs" if k is not None else "max_tokens"
         raise APIError(400, f"{which}: this server's engine does not compute logprobs (serve with --engine step09, "
-                            f"step10, step12 or step13)", param=which)
+                            f"step10, step12, step13 or step15)", param=which)
     if k is not None and k > max_logprobs:
         raise APIError(400, f"{name} must be at most {max_logprobs} (the server's --max-logprobs), got {k}", param=name)
     return k, prompt
 
 
 def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: Optional[int],
-                  default_max_tokens, max_logprobs: Optional[int] = None, chunks: Optional[list] = None) -> EngineInputs:
+                  default_max_tokens, max_logprobs: Optional[int] = None, chunks: Optional[list] = None,
+                  structured: Optional[StructuredOutputsParams] = None) -> EngineInputs:
     """max_tokens 为 None 时用 default_max_tokens(prompt_ids)（chat：一直生成到上下文或池子放不下为止）。
     n 个样本的种子是 S, S+1, ..., S+n-1（Request.parallel_samples，与 step06 起 run.py 的 --n 相同），
     所以与引擎直接生成的样本逐 token 相同。max_logprobs：logprobs 的 k 的上限（None = 引擎不算 logprobs）。
-    chunks：每个提示词的段标记（chunk_marks 给的；n 个样本共用）。"""
+    chunks：每个提示词的段标记（chunk_marks 给的；n 个样本共用）。structured：每个请求的约束（structured_output 给的）。"""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -493,7 +593,8 @@ def engine_inputs(req: _SamplingRequest, prompts: list[list[int]], max_tokens: O
         requests += ServedRequest(ids, n_new, params, ignore_eos=req.ignore_eos, stop=stop, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  chunks=None if chunks is None else chunks[k]).parallel_samples(req.n)
+                                  chunks=None if chunks is None else chunks[k],
+                                  structured_output=structured).parallel_samples(req.n)
     return EngineInputs(requests, sum(len(ids) for ids in prompts))
 
 

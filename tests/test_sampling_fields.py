@@ -37,6 +37,7 @@ from step09_speculative import engine as step09
 from step09_speculative.proposer import FakeProposer
 from step10_tensor_parallel import engine as step10
 from step11_serving.detokenizer import IncrementalDetokenizer
+from step15_structured_output import engine as step15
 from test_step05_paged import CharTokenizer
 from test_step11_serving import tok  # noqa: F401（夹具：真实分词器）
 
@@ -246,6 +247,7 @@ ENGINES = {   # (模型, 请求, EOS, 分词器：有请求带停止字符串时
     "step08": paged(step08, max_num_batched_tokens=8),
     "step09": paged(step09, max_num_batched_tokens=8),
     "step10": paged(step10, max_num_batched_tokens=8),
+    "step15": paged(step15, max_num_batched_tokens=8),
 }
 
 
