@@ -10,7 +10,7 @@ DFA 的表示：trans[s] 是长 256 的 list，trans[s][b] = 下一个状态；�
 """
 from dataclasses import dataclass
 
-from .regex import Alt, Chars, Concat, GrammarError, Repeat, parse_regex
+from .regex_parser import Alt, Chars, Concat, GrammarError, Repeat, parse_regex
 
 DEAD, START = 0, 1
 MAX_NFA_STATES = 200_000        # 防止 {m,n} 嵌套把 NFA 撑爆（每一份重复都是一个副本）

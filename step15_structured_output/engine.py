@@ -24,7 +24,7 @@ logprobs（第 11 章的服务器要的，不属于投机解码；这是服务�
 （token_logprobs；投机的一步里每个接受的猜测和最后那个 token 各用自己那一行 verify 的 logits）；要了 prompt_logprobs
 时，plan 为它的提示词位置多排 logits 行（分块 prefill 的每一块各算各的），max_new_tokens 0 时 prefill 完就结束、不采样。
 
-step15 加的结构化输出（structured.py；语法本身在 regex.py / automaton.py / schema.py / token_index.py）：
+step15 加的结构化输出（structured.py；语法本身在 regex_parser.py / automaton.py / schema.py / token_index.py）：
   · add_request 编译约束（同一个语法只编译一次），编不出来（写错、不支持的关键字、什么也匹配不了）就抛 UserError，
     什么也不分配；Sequence 带一个 GrammarMatcher，append_token 每记一个 token 就推进它。
   · 每一步的前向之后、任何别的处理（logit_bias、惩罚、温度、top-k/p）之前，把这一批有约束的请求的掩码铺到它们的

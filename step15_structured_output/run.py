@@ -13,12 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-# 直接运行这个文件时，Python 把本文件夹放在 sys.path 的最前面：这里的 regex.py 会挡住 transformers 要 import 的
-# regex 包。所以换成仓库的根目录，而不是插在它前面
-if sys.path[0] == str(Path(__file__).resolve().parent):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-else:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
@@ -46,7 +41,7 @@ def make_parser() -> cli.Parser:
     groups["投机解码"].add_argument("--draft-model", default=None, metavar="DIR",
                                    help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
     g = groups["结构化输出"]
-    g.add_argument("--regex", default=None, metavar="RE", help="输出整个匹配这个正则（语法见 regex.py）")
+    g.add_argument("--regex", default=None, metavar="RE", help="输出整个匹配这个正则（语法见 regex_parser.py）")
     g.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                    help="输出是满足这个 JSON Schema 的 JSON（一个文件，或直接给 JSON 文本；支持的关键字见 schema.py）")
     g.add_argument("--choice", default=None, metavar="A,B,...", help="输出是这几个字符串之一（逗号分开，原样比较）")

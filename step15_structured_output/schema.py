@@ -25,7 +25,7 @@ JSON 不是正则语言：嵌套的 [ ] { } 要配对，需要一个栈（下推
 """
 import json
 
-from .regex import GrammarError, escape_char, parse_regex, to_regex
+from .regex_parser import GrammarError, escape_char, parse_regex, to_regex
 
 REGEX_SPECIAL = "\\.^$|?*+()[]{}"
 STRING_CHAR = r'(?:[^\x00-\x1f"\\]|\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4}))'   # 一个 JSON 字符串里的字符

@@ -2,7 +2,7 @@
 一批请求的各行掩码怎么填；投机解码的猜测怎么按语法截断；jump-forward 的 token 怎么定（铺到 logits 上用
 token_index.apply_token_bitmask_）。
 
-语法本身（正则 → DFA、JSON Schema → 正则、词表 × DFA → 掩码）在 regex.py / automaton.py / schema.py / token_index.py；
+语法本身（正则 → DFA、JSON Schema → 正则、词表 × DFA → 掩码）在 regex_parser.py / automaton.py / schema.py / token_index.py；
 这里只用它们的接口：GrammarCompiler.compile_regex / compile_json_schema / compile_json_object、
 GrammarMatcher.accept_token / fill_bitmask / rollback / forced_bytes。
 
@@ -21,7 +21,7 @@ import torch
 from common.errors import UserError
 
 from .automaton import START
-from .regex import parse_regex
+from .regex_parser import parse_regex
 from .schema import literal, schema_to_regex
 from .token_index import CompiledGrammar, GrammarCompiler, GrammarMatcher, TokenIndex
 
@@ -32,7 +32,7 @@ JUMP_BACKOFF_TOKENS = 4   # jump-forward 的结尾最多退回几个 token 去�
 class StructuredOutputsParams:
     """一个请求的约束，四种里恰好给一种（vLLM 的 StructuredOutputsParams 的同名字段）：
     json         JSON Schema（dict 或 JSON 文本；支持的关键字见 schema.py）
-    regex        正则（整串匹配；支持的语法见 regex.py）
+    regex        正则（整串匹配；支持的语法见 regex_parser.py）
     choice       几个字符串之一（原样，不是正则）
     json_object  任意 JSON 对象（OpenAI 的 response_format {"type": "json_object"}；嵌套深度有上限，见 schema.py）"""
     json: Union[dict, str, bool, None] = None

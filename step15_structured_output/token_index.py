@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .automaton import DEAD, DFA, START, compile_regex
-from .regex import GrammarError
+from .regex_parser import GrammarError
 from .schema import json_object_regex, schema_to_regex
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from step15_structured_output.automaton import DEAD, START, compile_regex, utf8_sequences
-from step15_structured_output.regex import GrammarError, char_set, parse_regex, to_regex
+from step15_structured_output.regex_parser import GrammarError, char_set, parse_regex, to_regex
 from step15_structured_output.schema import json_object_regex, schema_to_regex
 
 # (正则, 枚举字符串用的字母表)：每个正则与 re.fullmatch(..., re.ASCII) 比较字母表上长度 ≤ 4 的全部字符串
