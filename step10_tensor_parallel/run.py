@@ -28,6 +28,8 @@ from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
 from step10_tensor_parallel.config import num_blocks_for_budget  # noqa: E402
+from step10_tensor_parallel.kv_cache import PagedKVCache  # noqa: E402
+from step10_tensor_parallel.quant import kv_format  # noqa: E402
 from step10_tensor_parallel.distributed import Layout, forward_comm_seconds  # noqa: E402
 from step10_tensor_parallel.launch import launch  # noqa: E402
 from step10_tensor_parallel.model_runner import serve_worker  # noqa: E402
@@ -154,8 +156,8 @@ def main(args) -> bool:
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)
     weights = sum(p.nbytes for p in s.model.parameters())
-    kv = step10.PagedKVCache.bytes_per_block(s.model.cfg, args.block_size, dtype,
-                                             step10.kv_format(args.kv_dtype, dtype)) / args.block_size
+    kv = PagedKVCache.bytes_per_block(s.model.cfg, args.block_size, dtype,
+                                             kv_format(args.kv_dtype, dtype)) / args.block_size
     print(f"\n{args.tp} × {args.pp} 个进程（tp × pp）：rank 0 的权重 {weights / 2**20:.1f} MiB，KV 每 token {kv:.0f} 字节"
           f"（本 rank 的层与 KV 头）；池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向，抢占 {st.preemptions} 次")
     for rank, ops in enumerate(comm):
