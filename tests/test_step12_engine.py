@@ -24,6 +24,7 @@ from step09_speculative import engine as step09
 from step12_kv_eviction import engine as step12
 from step12_kv_eviction import eviction
 from step12_kv_eviction import run as run12
+from step13_kv_blend import engine as step13   # step13 从 step12 的文件出发：驱逐的几个修复在两份里相同
 
 GREEDY = SamplingParams()
 BASE = dict(num_blocks=64, block_size=4, max_num_batched_tokens=32)
@@ -397,12 +398,13 @@ def test_attention_scores_use_only_the_last_voters(voters):
 
 
 @one_arch
+@pytest.mark.parametrize("step", [step12, step13], ids=["step12", "step13"])
 @pytest.mark.parametrize("policy, compactions, peak", [("snapkv", 1, 70), ("snapkv-chunked", 3, 56)])
-def test_snapkv_compacts_only_the_prompt(tiny, policy, compactions, peak):
+def test_snapkv_compacts_only_the_prompt(tiny, policy, compactions, peak, step):
     """提示词 70、每块 32、预算 24：snapkv 在算完整个提示词之后压缩一次（prefill 时整个提示词都在池子里：块表到过
     ⌈70 / 4⌉ 块）；snapkv-chunked 每块之后各压缩一次（32、56、30 个槽 → 24，块表最多 ⌈56 / 4⌉ 块）。
     decode 的 token 都只往后写。"""
-    e = engine(tiny.model, kv_policy=policy, kv_budget=24, snapkv_window=8)
+    e = engine(tiny.model, step, kv_policy=policy, kv_budget=24, snapkv_window=8)
     rid = e.add_request(Request(prompts(lengths=(70,))[0], 30, GREEDY, ignore_eos=True))
     seq = e.seqs[rid]
     while len(seq.output_ids) < 29:
@@ -518,14 +520,15 @@ def test_compaction_waits_when_no_fresh_blocks(tiny, monkeypatch):
 
 
 @one_arch
+@pytest.mark.parametrize("step", [step12, step13], ids=["step12", "step13"])
 @pytest.mark.parametrize("policy", ["window", "sinks"])
-def test_a_prefix_hit_longer_than_the_budget_is_capped(tiny, policy):
+def test_a_prefix_hit_longer_than_the_budget_is_capped(tiny, policy, step):
     """预算 8、块 4、每次前向 16 个、池子 7 块（add_request 按 预算 + 一块 − 1 + 一次前向 = 27 个槽检查过）。
     A（17 个 token）登记了 4 个满块；B 的前 16 个 token 与 A 相同。全用这 16 个命中的槽，第一块 prefill 要 16 + 16 = 32 个槽、
     8 块，池子再空也放不下（修之前：调度器交出空批，plan 抛 ValueError）。命中的只用到 命中 + 16 ≤ 7 块的那几块
     （12 个 token），其余照常重算：B 跑完，块全回来。"""
     x = prompts(lengths=(17,))[0]
-    e = engine(tiny.model, num_blocks=7, max_num_batched_tokens=16, kv_policy=policy, kv_budget=8)
+    e = engine(tiny.model, step, num_blocks=7, max_num_batched_tokens=16, kv_policy=policy, kv_budget=8)
     assert len(e.generate([Request(x, 1, GREEDY, ignore_eos=True)]).outputs[0]) == 1
     out = e.generate([Request(x[:16] + prompts(seed=1, lengths=(30,))[0], 20, GREEDY, ignore_eos=True)])
     assert len(out.outputs[0]) == 20 and out.stats.cached_tokens == [12]
@@ -533,10 +536,11 @@ def test_a_prefix_hit_longer_than_the_budget_is_capped(tiny, policy):
 
 
 @one_arch
-def test_a_request_that_can_never_be_admitted_ends_with_an_error(tiny, monkeypatch):
+@pytest.mark.parametrize("step", [step12, step13], ids=["step12", "step13"])
+def test_a_request_that_can_never_be_admitted_ends_with_an_error(tiny, monkeypatch, step):
     """块数的上界算少了时（这里让块管理器对 12 个 token 的请求一直说"放不下"）：运行集合空了、池子全空也接纳不了它，它以
     finish_reason "error" 结束，错误说出原因；别的请求照常跑完，不抛异常、不空转，块全回来。generate 把这个错误抛给调用者。"""
-    e = engine(tiny.model, kv_policy="window", kv_budget=16)
+    e = engine(tiny.model, step, kv_policy="window", kv_budget=16)
     real = e.block_manager.can_allocate_seq
     monkeypatch.setattr(e.block_manager, "can_allocate_seq",
                         lambda seq, match, slots=None: len(seq.request.prompt_ids) != 12 and real(seq, match, slots))
@@ -556,12 +560,13 @@ def test_a_request_that_can_never_be_admitted_ends_with_an_error(tiny, monkeypat
 
 
 @one_arch
-def test_an_evicting_policy_preempts_by_swapping(tiny):
+@pytest.mark.parametrize("step", [step12, step13], ids=["step12", "step13"])
+def test_an_evicting_policy_preempts_by_swapping(tiny, step):
     """抢占默认：full 重算（= step09），驱逐策略换出（重算要把整段历史再 prefill 一遍）；--preempt 给了就照它。
     小池子里每次抢占都是换出，都跑完，块全回来。"""
-    assert engine(tiny.model).swap is None
-    assert engine(tiny.model, kv_policy="window", kv_budget=16, preempt="recompute").swap is None
-    e = engine(tiny.model, num_blocks=14, kv_policy="window", kv_budget=16)
+    assert engine(tiny.model, step).swap is None
+    assert engine(tiny.model, step, kv_policy="window", kv_budget=16, preempt="recompute").swap is None
+    e = engine(tiny.model, step, num_blocks=14, kv_policy="window", kv_budget=16)
     out = e.generate(requests())
     assert out.stats.preemptions > 0 and e.swap.num_swap_out == out.stats.preemptions
     assert [len(o) for o in out.outputs] == [30] * 5
