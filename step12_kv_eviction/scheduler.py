@@ -20,8 +20,8 @@ step12 的 KV 驱逐（evicting=True：策略不是 full）：块数都按槽（
 补到覆盖它要写的槽（_grow），池子空了抢占最新的请求；拿到的块不够一整块 prefill 时这一块就少算几个 token。
 换出保留它的槽、num_evicted 和分数；重算把它们清零（block_manager.free_seq），重新 prefill 时策略一块一块地重新作用。
 命中前缀缓存时，命中的前缀加第一块 prefill 不超过 max_blocks 块（add_request 按预算检查过的、一个请求一次前向最多
-占的块数）：命中得更多时只用前面几块、其余照常重算——否则池子再空也接纳不了它。snapkv（split_at_prompt）：prefill 的一块不跨过提示词的末尾——
-它在那里投票、压缩一次，被重算的请求也在同一处压缩。
+占的块数）：命中得更多时只用前面几块、其余照常重算——否则池子再空也接纳不了它。snapkv（split_at_prompt）：prefill 的
+一块不跨过提示词的末尾——它在那里投票、压缩一次，被重算的请求也在同一处压缩。
 运行集合空着（池子里没人持有块）队头也接纳不了的请求永远跑不了：schedule 把它交给引擎（unschedulable），引擎结束它。
 evicting=False 时与 step09 逐行相同。
 """
