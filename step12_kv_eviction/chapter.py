@@ -11,7 +11,8 @@
     h2o 取分数的代价。
 
 --sections（逗号分开的 exactness / streams / passkey / greedy / concurrency / speed）只跑这几节；--settings（逗号分开的
-设置名前缀，如 snapkv）让每一节的设置列表只留这些（加上 full）——改了一个策略之后只重量它的那几行。
+设置名前缀，如 snapkv）让每一节的设置列表只留这些（长文本与 decode 速度再留着当参照的 full）——改了一个策略之后只重量
+它的那几行。
 """
 import time
 
@@ -71,9 +72,9 @@ SECTIONS = ("exactness", "streams", "passkey", "greedy", "concurrency", "speed")
 class Chapter:
     def __init__(self, args, s: cli.Session):
         self.args, self.s, self.quick, self.plan = args, s, args.quick, PLAN[bool(args.quick)]
-        if getattr(args, "settings", None):   # 只留名字以这些前缀开头的设置（full 留着当参照）
+        if getattr(args, "settings", None):   # 只留名字以这些前缀开头的设置（长文本与 decode 速度里 full 是参照，留着）
             keep = tuple(args.settings.split(","))
-            self.plan = {k: [x for x in v if x == "full" or x.startswith(keep)]
+            self.plan = {k: [x for x in v if x.startswith(keep) or (x == "full" and k in ("streams", "decode_settings"))]
                          if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
                          for k, v in self.plan.items()}
         self.tol, self.eos, self.bs, self.chunk = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size, args.max_num_batched_tokens

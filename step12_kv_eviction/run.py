@@ -44,7 +44,7 @@ def make_parser() -> cli.Parser:
     p.add_argument("--sections", default=None,
                    help="章节模式：只跑这几节（逗号分开：exactness,streams,passkey,greedy,concurrency,speed）")
     p.add_argument("--settings", default=None,
-                   help="章节模式：每一节只跑名字以这些前缀开头的设置（逗号分开，如 snapkv；full 总留着当参照）")
+                   help="章节模式：每一节只跑名字以这些前缀开头的设置（逗号分开，如 snapkv；长文本与 decode 速度的参照 full 留着）")
     return p
 
 

@@ -160,14 +160,22 @@ def test_blocks_held_stay_flat_and_all_come_back(tiny, policy):
 
 @one_arch
 def test_a_request_longer_than_the_pool_runs_under_a_policy(tiny):
-    """池子 12 块 × 4 = 48 个槽，请求 70 + 30 个 token：full 拒绝（要 25 块），sinks 预算 16 只要有界的块数，跑得完。"""
+    """池子 12 块 × 4 = 48 个槽，请求 70 + 30 个 token：full 拒绝（要 25 块），sinks 预算 16 只要有界的块数，跑得完。
+    prefill 每块 16 个：上一块之后压到 16 个槽，再写 16 个 = 32 个槽 = 8 块；decode 中写满 预算 + 一块 = 20 个槽就压缩，
+    块表不超过 5 块（结束时也是）。"""
     req = Request(prompts(lengths=(70,))[0], 30, GREEDY, ignore_eos=True)
     with pytest.raises(UserError, match="num-blocks"):
         engine(tiny.model, num_blocks=12, max_num_batched_tokens=16).add_request(req)
     e = engine(tiny.model, num_blocks=12, max_num_batched_tokens=16, kv_policy="sinks", kv_budget=16)
-    out = e.generate([req])
-    # 设计的上界：两次前向之间最多 预算 + 一块 − 1 个槽，一次前向再写 16 个：⌈35 / 4⌉ = 9 块；结束时 ⌈(16 + 4) / 4⌉
-    assert len(out.outputs[0]) == 30 and out.stats.kv_blocks_peak[0] <= 9 and out.stats.kv_blocks[0] <= 5
+    rid = e.add_request(req)
+    seq, held, out = e.seqs[rid], {True: 0, False: 0}, []
+    while e.has_unfinished_requests():
+        prefill = seq.in_prefill
+        for o in e.step():
+            out += o.new_token_ids
+            end = o.kv_blocks
+        held[prefill] = max(held[prefill], len(seq.block_table), seq.peak_blocks if prefill else 0)
+    assert len(out) == 30 and held == {True: 8, False: 5} and end <= 5
     assert_all_free(e)
 
 
