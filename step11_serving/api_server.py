@@ -497,6 +497,7 @@ def refuse_compile_with_parallel(args) -> None:
 
 def main(argv=None) -> None:
     from common.cli import open_session
+    from common.openmp import release_thread_pool
     from perf.compiled_decode import compile_if_asked
     from .engines import DEFAULT_ENGINE, SLIDING_WINDOW_ENGINES, add_engine_args, serving_engine
     argv = sys.argv[1:] if argv is None else argv
@@ -526,6 +527,9 @@ def main(argv=None) -> None:
                         args.host)
         print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
               f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
+        # 主线程加载模型时建了自己的 OpenMP 线程池，之后只跑事件循环；不还掉它，引擎线程的池再加进来，libgomp 见线程
+        # 比 CPU 多就不再忙等，每个并行区都要睡下 / 叫醒一次，空闲机器上一步慢近一倍（common/openmp.py，docs/11 第 10 节）
+        release_thread_pool()
         code = serve(app, sock, args.shutdown_timeout)
     if code:
         sys.exit(code)
