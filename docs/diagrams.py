@@ -326,8 +326,8 @@ def swap_path(out: Path) -> Path:
 # ---------- 第 15 章 ----------
 
 # 第 15 章第 1 节的例子。DFA 的状态号由 step15 的代码现算（纯 Python，不要分词器）；token 的切法与"这个状态允许几个
-# token"是默认模型 SmolLM2 的分词器（49152 词表）上量的：`hf('{"name": "Ada"', add_special_tokens=False)` 给出
-# {" name ": ␣" Ad a "（再往后 `",` 是 Ada 之后的那一个 token），计数是 CompiledGrammar.masks(状态) 的 token 数。
+# token"是默认模型 SmolLM2 的分词器（49152 词表）上量的：`hf('{"name": "Ada", "age": 36, "city": "Paris"}',
+# add_special_tokens=False)` 的前 7 个 token 是 {" name ": ␣" Ad a ",；计数是 CompiledGrammar.masks(状态) 的 token 数。
 # 换了分词器，这几行要跟着改。
 SCHEMA15 = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                               "city": {"enum": ["Paris", "Beijing", "Lima"]}},
