@@ -116,10 +116,12 @@ class EngineProbe:
     """一个引擎（那一步的 EngineConfig 默认值，池子按默认的 KV 预算）、一个贪心请求；step() 一步一步走并记下各部分。"""
 
     def __init__(self, s, name: str, split: "ForwardSplit"):
-        from step11_serving.engines import engine_module
-        mod = engine_module(name)
+        import importlib
+
+        from step11_serving.engines import ENGINES, engine_module
+        mod, conf = engine_module(name), importlib.import_module(f"{ENGINES[name]}.config")
         self.name, self.mod, self.s = name, mod, s
-        cfg = mod.EngineConfig(num_blocks=int(mod.num_blocks_for_budget(s.cfg, 16, s.model.dtype, mod.DEFAULT_KV_MIB)))
+        cfg = mod.EngineConfig(num_blocks=int(conf.num_blocks_for_budget(s.cfg, 16, s.model.dtype, conf.DEFAULT_KV_MIB)))
         self.engine = e = mod.LLMEngine(s.model, cfg, tokenizer=s.tok, eos_ids=s.tok.eos_ids)
         self.timer = t = PhaseTimer()
         runner = getattr(e, "runner", None)                 # step10：plan 与前向在 ModelRunner 里
@@ -513,7 +515,8 @@ def chapter07_tpot(s, quick: bool, batch1_step: Optional[float] = None) -> dict:
     from common.clock import WallClock
     from common.harness import percentile, replay
     from step07_chunked_prefill.analysis.workload import arrival_workload
-    from step07_chunked_prefill.engine import EngineConfig, LLMEngine, num_blocks_for_budget
+    from step07_chunked_prefill.config import num_blocks_for_budget
+    from step07_chunked_prefill.engine import EngineConfig, LLMEngine
     cfg = EngineConfig(num_blocks=int(num_blocks_for_budget(s.cfg, 16, s.model.dtype)))
     x = torch.zeros(cfg.max_batch_size, 1, dtype=torch.long)     # 与 chapter.py 的 calibrate 相同：B 行、位置 0
     with torch.inference_mode():

@@ -211,13 +211,14 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # tie 时装入 embed_tokens 的转置副本
         self.rope = RotaryEmbedding(cfg)
 
+    # 看最后那个 RMSNorm 的权重：它总是一个普通的 dtype 张量，而词嵌入表可以被换成别的存法（量化的块）
     @property
     def device(self):
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self):
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def forward(self, input_ids, positions, cache=None, last_only=False, logits_index=None):
         """input_ids, positions: (B, L) → logits (B, L, V)；last_only=True 时只算最后一个位置 (B, 1, V)；

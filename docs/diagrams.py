@@ -1,4 +1,4 @@
-"""画第 06–08 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
+"""画第 06–08 章、第 15 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
 
     python docs/diagrams.py [--out docs/images]
 
@@ -8,6 +8,7 @@
     07_varlen_row.png           一步的全部新 token 展平成一行、按段做注意力（cu_seqlens）
     08_quant_pool_layout.png    量化池子的一块：int8 码与每个 (token, 头) 一个 float32 scale 并排
     08_swap_path.png            换出式抢占：块拷到第二层、重新接纳时拷回新块号
+    15_dfa_tokens.png           字节上的 DFA 与 token 的一步：一个 token 走过好几个状态，一个汉字切在两个 token 里
     appendix_decode_ladder.png  附录阶梯每一级的 ms/步（数字抄自附录那次完整运行的表）
 中文字体来自 PyPI 包 mplfonts（common/plotting.py）。
 """
@@ -26,6 +27,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle  # noqa: E402
 
 from common.plotting import use_chinese_font  # noqa: E402
+from step15_structured_output.automaton import START, compile_regex  # noqa: E402
+from step15_structured_output.schema import schema_to_regex  # noqa: E402
 
 DPI = 110
 # 颜色：同一种东西在几张图里用同一种颜色
@@ -320,6 +323,114 @@ def swap_path(out: Path) -> Path:
     return save(fig, out, "08_swap_path.png")
 
 
+# ---------- 第 15 章 ----------
+
+# 第 15 章第 1 节的例子。DFA 的状态号由 step15 的代码现算（纯 Python，不要分词器）；token 的切法与"这个状态允许几个
+# token"是默认模型 SmolLM2 的分词器（49152 词表）上量的：`hf('{"name": "Ada", "age": 36, "city": "Paris"}',
+# add_special_tokens=False)` 的前 7 个 token 是 {" name ": ␣" Ad a ",；计数是 CompiledGrammar.masks(状态) 的 token 数。
+# 换了分词器，这几行要跟着改。
+SCHEMA15 = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                              "city": {"enum": ["Paris", "Beijing", "Lima"]}},
+            "required": ["name", "age", "city"]}
+TOKENS15 = [b'{"', b"name", b'":', b' "', b"Ad", b"a", b'",']        # 模型的切法（分词器的）
+ALLOWED15 = [2, 4, 2, 29, 48783, 48783, 48783]                          # 每个 token 开始的那个状态允许几个 token
+FORCED_TOKENS15 = 3                                                     # jump-forward 放进去的：{" name ":（退回之后）
+HANZI15 = [b"\xe5\x8c", b"\x97", b"\xe4\xba", b"\xac"]                   # "北京" 在 SmolLM2 里的 4 个 token
+
+
+def byte_label(b: int) -> str:
+    return "␣" if b == 32 else chr(b) if 32 < b < 127 else f"{b:02X}"
+
+
+def dfa_tokens(out: Path) -> Path:
+    """第 15 章第 1 节：横轴是字节的位置，圆圈是读到这里时 DFA 的状态；下面的括号是 token：一个 token 一步走过好几个状态。"""
+    fig, axes = plt.subplots(2, 1, figsize=(14, 7.2), gridspec_kw={"height_ratios": [1.5, 1]})
+
+    def walk(dfa, data: bytes) -> list[int]:
+        states = [START]
+        for b in data:
+            states.append(dfa.trans[states[-1]][b])
+        return states
+
+    def row(ax, data, states, x0, dx, y, boundary=()):
+        """状态圆圈 + 字节边；返回每个位置的 x。boundary：这些位置的圆圈涂色（token 的边界）。"""
+        xs = [x0 + i * dx for i in range(len(states))]
+        for i, b in enumerate(data):
+            arrow(ax, (xs[i] + 0.012, y), (xs[i + 1] - 0.012, y))
+            ax.text((xs[i] + xs[i + 1]) / 2, y + 0.06, byte_label(b), ha="center", va="center", fontsize=10)
+        for i, (x, s) in enumerate(zip(xs, states)):   # 标记（以点为单位）在任何长宽比下都是圆的
+            ax.plot([x], [y], "o", markersize=19, markerfacecolor=CACHED if i in boundary else "white",
+                    markeredgecolor="black", zorder=6)
+            ax.text(x, y, str(s), ha="center", va="center", fontsize=8.5, zorder=7)
+        return xs
+
+    def bracket(ax, xa, xb, y, text, color, below=True, fontsize=10):
+        d = -0.025 if below else 0.025
+        ax.plot([xa + 0.004, xa + 0.004, xb - 0.004, xb - 0.004], [y - d, y, y, y - d], color=color, linewidth=2)
+        ax.text((xa + xb) / 2, y + (-0.045 if below else 0.045), text, ha="center", va="center", fontsize=fontsize)
+
+    # ① JSON Schema 的开头
+    ax = axes[0]
+    blank(ax, ylim=(0.05, 0.86))
+    dfa = compile_regex(schema_to_regex(SCHEMA15))
+    data = b"".join(TOKENS15)
+    states = walk(dfa, data)
+    ends = [0]
+    for t in TOKENS15:
+        ends.append(ends[-1] + len(t))
+    x0, dx, y = 0.05, 0.92 / len(data), 0.6
+    forced_all = next(i for i, s in enumerate(states) if sum(dfa.trans[s][b] != 0 for b in range(256)) != 1)
+    ax.add_patch(Rectangle((x0 - dx * 0.4, y - 0.05), dx * (forced_all + 0.8), 0.15, facecolor=PREFILL_B,
+                           edgecolor="none", zorder=1))
+    xs = row(ax, data, states, x0, dx, y, boundary=set(ends))
+    for k, (t, n) in enumerate(zip(TOKENS15, ALLOWED15)):
+        a, b = ends[k], ends[k + 1]
+        color = PREFILL_A if k == len(TOKENS15) - 1 else ("#08519c" if k < FORCED_TOKENS15 else "#444444")
+        bracket(ax, xs[a], xs[b], y - 0.08, "".join(byte_label(c) for c in t), color)
+        ax.text((xs[a] + xs[b]) / 2, y - 0.2, f"允许 {n:,}", ha="center", va="center", fontsize=8.5, color="#444444")
+    ax.text(xs[0] - 0.01, y - 0.27, "↑ token 开始的那个状态里，词表（SmolLM2，49,152 个）中合法的 token 有几个",
+            ha="left", va="center", fontsize=9, color="#444444")
+    bracket(ax, xs[0], xs[1], y + 0.16, "{", "#888888", below=False, fontsize=9)
+    bracket(ax, xs[1], xs[2], y + 0.16, '"', "#888888", below=False, fontsize=9)
+    ax.text(xs[2] + 0.01, y + 0.2, "同一段文本的另一种切法 { + \"：也合法，状态 1 的掩码里两个都有；"
+            f"橙色底：语法唯一确定的 {forced_all} 个字节（forced_bytes）", ha="left", va="center", fontsize=9.5)
+    a, b = ends[-2], ends[-1]
+    ax.annotate(f"一个 token 走过两个状态：{states[a]} ─\"→ {states[a + 1]} ─,→ {states[b]}，"
+                "从字符串里面走到逗号之后", xy=((xs[a] + xs[b]) / 2, y - 0.15), xytext=(0.72, y - 0.37),
+                ha="center", va="center", fontsize=9.5, arrowprops=dict(arrowstyle="-|>", color=PREFILL_A))
+    ax.text(0.5, 0.1, f"蓝括号：jump-forward 直接放进去的 {FORCED_TOKENS15} 个 token。␣\" 退回、留给模型自己采样："
+            f"状态 {states[ends[FORCED_TOKENS15]]} 允许 {ALLOWED15[FORCED_TOKENS15]} 个 token，"
+            "其中 ␣\"\"、␣\"_ 这样的比 ␣\" 长、跨过强制串的结尾", ha="center", va="center", fontsize=9.5)
+    ax.set_title("① schema {name: string, age: integer, city: enum} 的开头：字节上的 DFA（圆圈里是状态号，"
+                 "绿 = token 的边界）与模型的 token", fontsize=11)
+
+    # ② 一个汉字切在两个 token 里
+    ax = axes[1]
+    blank(ax, ylim=(0.3, 0.88))
+    dfa = compile_regex("北京|北海道")
+    data = b"".join(HANZI15)
+    states = walk(dfa, data)
+    ends = [0]
+    for t in HANZI15:
+        ends.append(ends[-1] + len(t))
+    x0, dx, y = 0.12, 0.09, 0.55
+    xs = row(ax, data, states, x0, dx, y, boundary=set(ends))
+    for k, t in enumerate(HANZI15):
+        bracket(ax, xs[ends[k]], xs[ends[k + 1]], y - 0.12, " ".join(f"{c:02X}" for c in t), "#444444")
+    for k, ch in enumerate("北京"):
+        bracket(ax, xs[3 * k], xs[3 * k + 3], y + 0.2, f"{ch}（{ch.encode().hex(' ').upper()}）", "#888888",
+                below=False)
+    ax.text(xs[0] - 0.03, y - 0.16, "token", ha="right", va="center", fontsize=10)
+    ax.text(xs[0] - 0.03, y + 0.25, "字符", ha="right", va="center", fontsize=10)
+    ax.text(xs[-1] + 0.05, y, f"第一个 token（E5 8C）停在状态 {states[2]}：\"北\"的 3 个字节读了 2 个。\n"
+            "字符上的自动机没有这个状态，也就说不出这个 token 合不合法；\n字节上的 DFA 照常走：没掉进死状态，就合法",
+            ha="left", va="center", fontsize=9.5)
+    ax.set_title("② 正则 北京|北海道：\"北京\"在 SmolLM2 里是 4 个 token，两个汉字都被切开——所以自动机一次吃一个字节",
+                 fontsize=11)
+    fig.tight_layout()
+    return save(fig, out, "15_dfa_tokens.png")
+
+
 # ---------- 附录 ----------
 
 def decode_ladder(out: Path) -> Path:
@@ -351,7 +462,7 @@ def decode_ladder(out: Path) -> Path:
     return save(fig, out, "appendix_decode_ladder.png")
 
 
-DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, decode_ladder)
+DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, dfa_tokens, decode_ladder)
 
 
 def main(argv=None) -> list[Path]:

@@ -4,6 +4,7 @@
 import torch
 
 from step02_sampling.sampler import SamplingParams, make_generator, sample
+from step02_sampling.stop_strings import completes_stop_string
 
 
 @torch.inference_mode()
@@ -11,7 +12,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
              ignore_eos: bool = False, stop_strings=(), tokenizer=None) -> list[int]:
     """返回新 token。停止条件：生成满 max_new_tokens；生成了 EOS 或 params.stop_token_ids 里的 token（包含它，同 HF）；
     新生成文本里出现任一停止字符串（包含补全它的那个 token，同 HF 的 StopStringCriteria）。
-    生成满 params.min_tokens 个之前，只有第一条算数（同 vLLM）。"""
+    生成满 params.min_tokens 个之前只有第一条算数；之后补全的停止串才算（同 vLLM）。"""
     # >>> step02 新增：检查参数；每次调用一个自己的随机数发生器（种子相同 → 输出相同）
     params.validate(model.cfg.vocab_size)
     if stop_strings and tokenizer is None:
@@ -33,9 +34,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
             continue
         if tok in end_ids or tok in params.stop_token_ids:   # 停止 token 与 EOS 一样：算进输出
             break
-        # 停止字符串：每步把全部新 token 重新解码再找（比整段前向便宜得多，也不会漏掉
-        # 跨 token 的停止串）；只找新生成的文本，提示词里出现的不算
-        if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
+        # 停止字符串：只解码输出的尾巴，找结束在这个 token 带来的新文本里的（跨 token 的也找得到）；
+        # 提示词里出现的、前 min_tokens 个 token 里结束的都不算
+        if stop_strings and completes_stop_string(tokenizer, out, stop_strings, params.min_tokens):
             break
         # <<<
     return out

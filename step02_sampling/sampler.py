@@ -76,18 +76,22 @@ class SamplingParams:
             min_tokens          整数 >= 0
             stop_token_ids      token id 的序列
         """
+        # 先查类型：True 是 int 的子类（True == 1），不排除就会被当成 top_k 1、种子 1、惩罚 1 悄悄接受
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise UserError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.top_p <= 1):   # NaN 在这里也不成立
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.min_p <= 1):
             raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise UserError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (-MAX_PENALTY <= v <= MAX_PENALTY):   # NaN 不成立
@@ -98,7 +102,7 @@ class SamplingParams:
             raise UserError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for t, b in self.logit_bias.items():
             _check_token_id("logit_bias", t, vocab_size)
-            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            if not (_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
                 raise UserError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                 f"got {b!r} for token {t}")
         for t in self.stop_token_ids:
@@ -113,6 +117,10 @@ class SamplingParams:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_token_id(name: str, t, vocab_size: int | None) -> None:

@@ -9,6 +9,7 @@
 import torch
 
 from step02_sampling.sampler import SamplingParams, make_generator, sample
+from step02_sampling.stop_strings import completes_stop_string
 from step03_kvcache_single.cache import CACHES
 
 
@@ -56,7 +57,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
         if len(out) == max_new_tokens:
             break
         if len(out) >= params.min_tokens and (tok in end_ids or tok in params.stop_token_ids or (
-                stop_strings and any(s in tokenizer.decode(out) for s in stop_strings))):
+                stop_strings and completes_stop_string(tokenizer, out, stop_strings, params.min_tokens))):
             break
         # >>> step03 修改：decode 只喂新 token，它的位置是它在整段序列里的下标 len(ids) - 1
         logits = forward(model, cache, [tok], start=len(ids) - 1)

@@ -14,6 +14,7 @@ import torch
 
 from common.errors import UserError
 from step02_sampling.sampler import SamplingParams
+from step02_sampling.stop_strings import completes_stop_string
 
 
 @dataclass
@@ -55,14 +56,14 @@ class Request:
 
     def stops(self, output_ids: list[int], eos_ids, tokenizer=None) -> bool:
         """刚 append 了 output_ids[-1] 之后，这个请求是否因为"停止"而结束（与 step02 的 generate 相同的规则）：
-        EOS（ignore_eos 时不算）或 stop_token_ids 里的 token（都算进输出）；新生成的文本里出现停止字符串
-        （包含补全它的那个 token；每步把全部新 token 重新解码再找，不会漏掉跨 token 的停止串）。
-        生成满 min_tokens 个之前都不算（vLLM 相同；EOS 与停止 token 此时已被采样器屏蔽，这里只是兜底）。"""
+        EOS（ignore_eos 时不算）或 stop_token_ids 里的 token（都算进输出）；这个 token 补全了一个停止字符串
+        （包含它；只解码输出的尾巴，跨 token 的停止串也找得到）。生成满 min_tokens 个之前都不算，前 min_tokens 个
+        token 里结束的停止串之后也不算（vLLM 相同；EOS 与停止 token 此时已被采样器屏蔽，这里只是兜底）。"""
         if len(output_ids) < self.params.min_tokens:
             return False
         token = output_ids[-1]
         return (token in self.end_ids(eos_ids) or token in self.params.stop_token_ids
-                or (bool(self.stop) and any(s in tokenizer.decode(output_ids) for s in self.stop)))
+                or completes_stop_string(tokenizer, output_ids, self.stop, self.params.min_tokens))
 
     def parallel_samples(self, n: int) -> list["Request"]:
         """同一个提示词的 n 个样本（step06 起 run.py 的 --n、step11 的 n）：种子 S, S+1, ..., S+n-1

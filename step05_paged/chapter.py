@@ -20,7 +20,8 @@ from step03_kvcache_single.engine import generate as generate_single
 from step04_static_batching.engine import generate_batch, split_batches
 from step05_paged.analysis.decode_bench import KV_IO, PLAN, decode_step_fns, profile_split
 from step05_paged.analysis.workload import mixed_workload, preemption_workload
-from step05_paged.engine import EngineConfig, LLMEngine, blocks_needed, num_blocks_for_budget
+from step05_paged.config import num_blocks_for_budget
+from step05_paged.engine import EngineConfig, LLMEngine, blocks_needed
 from step05_paged.kv_cache import PagedKVCache
 from step05_paged.paged_attention import resolve_impl
 

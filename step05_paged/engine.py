@@ -14,7 +14,6 @@
 记账：每一步一行 StepStats（common/stats.py，与 step04 同一个定义），每个请求的时刻记在它的 Sequence 上。
 """
 from collections import deque
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -26,37 +25,10 @@ from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import ATTENTION_CHOICES, PagedKVCache
+from .config import EngineConfig
+from .kv_cache import PagedKVCache
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
-
-DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
-
-
-@dataclass
-class EngineConfig:
-    # 带 help 的字段是 run.py 的命令行参数（common/cli.py 的 add_config_args 按 metadata 生成）
-    num_blocks: int = field(metadata={
-        "group": "分页与调度",
-        "help": f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）"})
-    block_size: int = field(default=16, metadata={"group": "分页与调度", "help": "每块多少个 token（默认 16，同 vLLM）"})
-    max_batch_size: int = field(default=8, metadata={"group": "分页与调度", "help": "运行集合最多几个请求（默认 8）"})
-    max_prefill_tokens: int = 2048   # 一次 prefill 前向最多 B × L 个 token 位置（限制 CPU 上的峰值内存和单步延迟）
-    attention: str = field(default="paged", metadata={   # 读池子的注意力
-        "group": "分页与调度", "choices": ATTENTION_CHOICES,
-        "help": "读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）"})
-
-    def validate(self) -> None:
-        for name in ("num_blocks", "block_size", "max_batch_size", "max_prefill_tokens"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
-                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.attention not in ATTENTION_CHOICES:
-            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
-
-
-def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: int = DEFAULT_KV_MIB) -> int:
-    return mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype)
-
 
 def blocks_needed(r: Request, block_size: int) -> int:
     """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""

@@ -14,7 +14,8 @@ from common import cli  # noqa: E402
 from perf import compiled_decode  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
-from step05_paged.engine import EngineConfig, LLMEngine, num_blocks_for_budget  # noqa: E402
+from step05_paged.config import num_blocks_for_budget  # noqa: E402
+from step05_paged.engine import EngineConfig, LLMEngine  # noqa: E402
 
 
 def make_parser() -> cli.Parser:

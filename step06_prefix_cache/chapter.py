@@ -19,7 +19,8 @@ from step04_static_batching.request import Request
 from step05_paged import engine as step05
 from step06_prefix_cache.analysis.workload import (SYSTEM_PROMPT, conversations, first_turn, next_turn,
                                                    shared_prefix_workload, small_pool_workload)
-from step06_prefix_cache.engine import EngineConfig, LLMEngine, blocks_needed, num_blocks_for_budget
+from step06_prefix_cache.config import num_blocks_for_budget
+from step06_prefix_cache.engine import EngineConfig, LLMEngine, blocks_needed
 from step06_prefix_cache.radix_tree import RadixTree
 from step06_prefix_cache.sequence import Sequence
 

@@ -16,6 +16,7 @@ from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa:
 from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
+from step06_prefix_cache.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -45,7 +46,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step06_prefix_cache.chapter import Chapter
         return Chapter(args, s, engine_for).run()
-    num_blocks = args.num_blocks or step06.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size)
     compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]

@@ -24,7 +24,7 @@ from step07_chunked_prefill.analysis.varlen_bench import (DENSE, FLAT, PADDED, P
                                                           print_comparison)
 from step07_chunked_prefill.analysis.workload import (arrival_workload, check_workload, is_long,
                                                       mid_prefill_preemption_workload)
-from step07_chunked_prefill.engine import num_blocks_for_budget
+from step07_chunked_prefill.config import num_blocks_for_budget
 from step07_chunked_prefill.sequence import SequenceStatus
 
 STEP = "step07_chunked_prefill"

@@ -18,6 +18,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step07_chunked_prefill import engine as step07  # noqa: E402
+from step07_chunked_prefill.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -60,7 +61,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step07_chunked_prefill.chapter import Chapter
         return Chapter(args, s, engine_for).run()
-    num_blocks = args.num_blocks or step07.num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
     compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]

@@ -26,7 +26,8 @@ from step07_chunked_prefill.analysis.workload import check_workload, mid_prefill
 from step08_kv_quant import engine as step08
 from step08_kv_quant.analysis.quality import first_divergence, pool as pool_quality, teacher_forced_quality
 from step08_kv_quant.analysis.swap_cost import crossover, measure_swap_vs_recompute
-from step08_kv_quant.engine import blocks_needed, num_blocks_for_budget
+from step08_kv_quant.config import num_blocks_for_budget
+from step08_kv_quant.engine import blocks_needed
 from step08_kv_quant.gather import plan_segment
 from step08_kv_quant.kv_cache import PagedKVCache
 from step08_kv_quant.quant import KV_DTYPE_CHOICES, kv_format

@@ -14,8 +14,7 @@ step08 加的：kv_dtype 是 int8 / fp8（或另一种浮点）时池子存量�
 第二层（swap.py：CPU 内存；池子在 CUDA 上时用锁页内存），重新接纳时换回来（scheduler.py）。step() 没变。
 """
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -26,63 +25,12 @@ from step02_sampling.sampler import make_generator, sample
 from step04_static_batching.request import Request
 
 from .block_manager import BlockManager
-from .kv_cache import ATTENTION_CHOICES, PagedKVCache
-from .quant import KV_DTYPE_CHOICES, kv_format
+from .config import EngineConfig
+from .kv_cache import PagedKVCache
+from .quant import kv_format
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence
 from .swap import SwapSpace
-
-DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
-PREEMPT_CHOICES = ("recompute", "swap")
-
-
-@dataclass
-class EngineConfig:
-    # 带 help 的字段是 run.py 的命令行参数（common/cli.py 的 add_config_args 按 metadata 生成）
-    num_blocks: int = field(metadata={
-        "group": "分页与调度",
-        "help": f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）"})
-    block_size: int = field(default=16, metadata={"group": "分页与调度", "help": "每块多少个 token（默认 16，同 vLLM）"})
-    max_batch_size: int = field(default=8, metadata={"group": "分页与调度", "help": "运行集合最多几个请求（默认 8）"})
-    max_num_batched_tokens: int = field(   # 一次前向的 token 预算（vLLM 的同名参数）
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        metadata={"group": "分块 prefill", "help": "一次前向最多算多少个 token（decode 各 1 个，剩下的给 prefill 的块；"
-                                                   f"默认 {DEFAULT_MAX_NUM_BATCHED_TOKENS}），不能小于 --max-batch-size"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "group": "前缀缓存", "flag": "--no-prefix-cache",
-        "help": "关掉前缀缓存（同样的输出；再加 --no-chunked-prefill 就是 step05 的引擎：同样的前向次数）"})
-    kv_dtype: Optional[str] = field(   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
-        default=None, metadata={"group": "KV 量化与换出", "choices": KV_DTYPE_CHOICES,
-                                "help": "KV 池子的存法（默认：模型的 dtype，精确）；int8 / fp8 每个 (token, 头) 一个 scale"})
-    preempt: str = field(default="recompute", metadata={   # "swap"：抢占时换出到第二层
-        "group": "KV 量化与换出", "choices": PREEMPT_CHOICES,
-        "help": "池子满了怎么让出块：recompute（扔掉 KV、之后重算）或 swap（换出到 CPU 内存、之后换回）"})
-    swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
-    attention: str = field(default="paged", metadata={   # 读池子的注意力
-        "group": "分页与调度", "choices": ATTENTION_CHOICES,
-        "help": "读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）"})
-
-    def validate(self) -> None:
-        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
-                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.attention not in ATTENTION_CHOICES:
-            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
-        if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
-            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
-                            f"--max-batch-size ({self.max_batch_size})")
-        if self.preempt not in PREEMPT_CHOICES:
-            raise UserError(f"unknown --preempt {self.preempt!r} (choose from {', '.join(PREEMPT_CHOICES)})")
-        if self.swap_blocks is not None and not (isinstance(self.swap_blocks, int) and self.swap_blocks > 0):
-            raise UserError(f"swap_blocks must be a positive integer, got {self.swap_blocks!r}")
-
-
-def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: float = DEFAULT_KV_MIB,
-                          kv_dtype: Optional[str] = None) -> int:
-    """同样的 MiB 预算能放几块：每 token 字节越少（量化），块越多。"""
-    return int(mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype, kv_format(kv_dtype, dtype)))
-
 
 def blocks_needed(r: Request, block_size: int) -> int:
     """一个请求一生最多占几块：最后采样出的 token 不再喂回模型、不进缓存，所以是 提示词 + N - 1 个 token。"""

@@ -19,6 +19,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step08_kv_quant import engine as step08  # noqa: E402
+from step08_kv_quant.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -72,7 +73,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step08_kv_quant.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step08.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens)
     compiled_decode.compile_if_asked(args, engine)
     prompt_ids = [s.encode(p, args.chat, args.max_new_tokens) for p in args.prompt]

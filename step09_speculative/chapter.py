@@ -26,7 +26,8 @@ from step07_chunked_prefill.analysis.workload import check_workload, mid_prefill
 from step08_kv_quant import engine as step08
 from step09_speculative import engine as step09
 from step09_speculative.analysis.workload import CHAT, GROUNDED, requests as workload
-from step09_speculative.engine import SpecStats, blocks_needed, num_blocks_for_budget
+from step09_speculative.config import num_blocks_for_budget
+from step09_speculative.engine import SpecStats, blocks_needed
 
 STEP = "step09_speculative"
 

@@ -21,6 +21,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step09_speculative import engine as step09  # noqa: E402
+from step09_speculative.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -103,7 +104,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step09_speculative.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step09.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens,
                         draft_model=load_draft_model(args, s))
     compiled_decode.compile_if_asked(args, engine)

@@ -29,6 +29,8 @@ from step02_sampling.sampler import SamplingParams, draw_margin
 from step04_static_batching.request import Request
 from step09_speculative import engine as step09
 from step10_tensor_parallel import engine as step10
+from step10_tensor_parallel.config import DEFAULT_KV_MIB, num_blocks_for_budget
+from step10_tensor_parallel.kv_cache import PagedKVCache
 from step10_tensor_parallel.distributed import FORWARD_OPS, Layout, forward_comm_seconds
 from step10_tensor_parallel.launch import launch
 from step10_tensor_parallel.model_runner import serve_worker
@@ -154,21 +156,21 @@ class Chapter:
         s, cfg = self.s, self.s.cfg
         stage(f"\n[2] 每个 rank 存多少（TP = {self.tp}；PP = {self.pp}）...")
         full = sum(p.nbytes for p in s.model.parameters())
-        per_block = step10.PagedKVCache.bytes_per_block(cfg, self.bs, s.dtype)
-        mib = step10.DEFAULT_KV_MIB
+        per_block = PagedKVCache.bytes_per_block(cfg, self.bs, s.dtype)
+        mib = DEFAULT_KV_MIB
         rows = [["1 个进程", "-", f"{full / 2**20:.1f}", "1.000", f"{per_block / 2**10:.1f}",
-                 step10.num_blocks_for_budget(cfg, self.bs, s.dtype)]]
+                 num_blocks_for_budget(cfg, self.bs, s.dtype)]]
         for tp, pp in ((self.tp, 1), (1, self.pp)):
             for rank in range(tp * pp):
                 layout = Layout(rank, tp, pp)                                        # 只有位置，不通信
                 shard = Shard.of(cfg, layout)
                 model = load_shard(s.path, layout, s.device, s.dtype, self.args.linear)   # 只装切片
                 w = sum(p.nbytes for p in model.parameters())
-                b = step10.PagedKVCache(model.cfg, 1, self.bs, s.device, s.dtype).pool[:, :, 0].nbytes
+                b = PagedKVCache(model.cfg, 1, self.bs, s.device, s.dtype).pool[:, :, 0].nbytes
                 rows.append([f"TP {tp} × PP {pp}", f"rank {rank}（层 {shard.layers.start}–{shard.layers.stop - 1}，"
                              f"KV 头 {shard.kv_heads.start}–{shard.kv_heads.stop - 1}）", f"{w / 2**20:.1f}",
                              f"{w / full:.3f}", f"{b / 2**10:.1f}",
-                             step10.num_blocks_for_budget(model.cfg, self.bs, s.dtype)])
+                             num_blocks_for_budget(model.cfg, self.bs, s.dtype)])
                 if (tp, pp, rank) == (self.tp, 1, 0):
                     self.figures["tp_weight_bytes_per_rank_ratio"] = round(w / full, 4)
                     self.figures["tp_kv_capacity_ratio"] = round(per_block / b, 4)

@@ -27,6 +27,9 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step10_tensor_parallel import engine as step10  # noqa: E402
+from step10_tensor_parallel.config import num_blocks_for_budget  # noqa: E402
+from step10_tensor_parallel.kv_cache import PagedKVCache  # noqa: E402
+from step10_tensor_parallel.quant import kv_format  # noqa: E402
 from step10_tensor_parallel.distributed import Layout, forward_comm_seconds  # noqa: E402
 from step10_tensor_parallel.launch import launch  # noqa: E402
 from step10_tensor_parallel.model_runner import serve_worker  # noqa: E402
@@ -104,7 +107,7 @@ def check_args(args) -> None:
 
 def num_blocks_per_rank(cfg: ModelConfig, args, dtype) -> int:
     """每个 rank 同样的 KV 预算（256 MiB）能放几块：块号在所有 rank 上通用，所以取最满的那个 rank（层最多的 stage）。"""
-    return min(step10.num_blocks_for_budget(Shard.of(cfg, Layout(r, args.tp, args.pp)).rank_config(cfg),
+    return min(num_blocks_for_budget(Shard.of(cfg, Layout(r, args.tp, args.pp)).rank_config(cfg),
                                             args.block_size, dtype, kv_dtype=args.kv_dtype)
                for r in range(args.tp * args.pp))
 
@@ -153,8 +156,8 @@ def main(args) -> bool:
         comm = engine.close() if parallel.world_size > 1 else []
     cli.print_generations(s, prompts, outputs)
     weights = sum(p.nbytes for p in s.model.parameters())
-    kv = step10.PagedKVCache.bytes_per_block(s.model.cfg, args.block_size, dtype,
-                                             step10.kv_format(args.kv_dtype, dtype)) / args.block_size
+    kv = PagedKVCache.bytes_per_block(s.model.cfg, args.block_size, dtype,
+                                             kv_format(args.kv_dtype, dtype)) / args.block_size
     print(f"\n{args.tp} × {args.pp} 个进程（tp × pp）：rank 0 的权重 {weights / 2**20:.1f} MiB，KV 每 token {kv:.0f} 字节"
           f"（本 rank 的层与 KV 头）；池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向，抢占 {st.preemptions} 次")
     for rank, ops in enumerate(comm):

@@ -53,17 +53,18 @@ class ServerSettings:
     retry_after_s: int = 1        # 503 时告诉客户端多久以后再试
     max_logprobs: Optional[int] = None   # logprobs 的 k 的上限（vLLM 的 max_logprobs）；None = 引擎不算 logprobs
     chunk_marks: bool = False     # 引擎的 add_request 收段标记吗（step13）：completions 的 chunk_separator
+    structured_output: bool = False   # 引擎做结构化输出吗（step15）：response_format、structured_outputs
 
 
 DEFAULT_MAX_LOGPROBS = 20         # 与 vLLM 的 max_logprobs 默认值相同
 
 
 def settings_for(session, engine, block_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **kw) -> ServerSettings:
-    from .engines import accepts_chunks, computes_logprobs
+    from .engines import accepts_chunks, accepts_structured_output, computes_logprobs
     return ServerSettings(Path(session.path).name, session.cfg.max_position_embeddings, session.cfg.vocab_size,
                           engine.block_manager.num_blocks * block_size,
                           max_logprobs=max_logprobs if computes_logprobs(engine) else None,
-                          chunk_marks=accepts_chunks(engine), **kw)
+                          chunk_marks=accepts_chunks(engine), structured_output=accepts_structured_output(engine), **kw)
 
 
 class AbortOnExitStreamingResponse(StreamingResponse):
@@ -218,7 +219,7 @@ async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_
         raise P.APIError(503, str(e), "server_busy", headers={"Retry-After": str(s.retry_after_s)}) from None
     except EngineUnavailable as e:
         raise P.APIError(503, str(e), "server_error") from None
-    shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids)
+    shape = P.ResponseShape.new(chat, s.model_name, req.return_token_ids, req.request_id)
     n = req.n
     wants_logprobs = req.logprobs is True if chat else req.logprobs is not None   # completions 的 logprobs: 0 也算
     extras = ChoiceExtras(request.app.state.tok, chat, wants_logprobs, [r.prompt_ids for r in inputs.requests],
@@ -229,8 +230,8 @@ async def submit(request: Request, req, inputs: P.EngineInputs, chat: bool, num_
         return P.usage(inputs.prompt_tokens, sum(map(len, handle.token_ids)), cached)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage, extras))
+        include_usage, continuous = P.stream_usage(req)
+        return AbortOnExitStreamingResponse(handle, sse_stream(handle, shape, include_usage, usage, extras, continuous))
     try:
         texts, reasons = await until_done_or_disconnect(request, collect(handle, extras))
     finally:
@@ -252,12 +253,17 @@ plain = APIRouter()                                                      # 不�
 async def chat_completions(request: Request):
     arrival = time.perf_counter()
     s = request.app.state.settings
-    req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+    req = P.parse_request(P.ChatCompletionRequest, await read_json(request), s.structured_output)
     check_model(s, req.model)
+    structured = P.structured_output(req, s.structured_output)
     P.chunk_marks(req, request.app.state.tok, s.chunk_marks)          # 给了 chunk_separator：400，说明为什么
-    ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages)   # 模板与分词不占事件循环
+    ids = await asyncio.to_thread(P.encode_chat, request.app.state.tok, req.messages,   # 模板与分词不占事件循环
+                                  req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                                  req.documents, req.chat_template_kwargs)
+    prompts = P.truncate_prompts(req, [ids], s.context_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    inputs = P.engine_inputs(req, [ids], max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs)
+    inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs,
+                             structured=structured)
     return await submit(request, req, inputs, True, 1, arrival)
 
 
@@ -265,20 +271,23 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     arrival = time.perf_counter()
     s = request.app.state.settings
-    req = P.parse_request(P.CompletionRequest, await read_json(request))
+    req = P.parse_request(P.CompletionRequest, await read_json(request), s.structured_output)
     check_model(s, req.model)
+    structured = P.structured_output(req, s.structured_output)
     marked = await asyncio.to_thread(P.chunk_marks, req, request.app.state.tok, s.chunk_marks)   # step13 的段标记
     if marked is not None:
         prompts, chunks = marked
     else:
         try:
-            prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size)
+            prompts = await asyncio.to_thread(P.encode_prompts, request.app.state.tok, req.prompt, s.vocab_size,
+                                              req.add_special_tokens)
         except UserError as e:
             raise P.APIError(400, str(e), param="prompt") from None
         chunks = None
+    prompts = P.truncate_prompts(req, prompts, s.context_len)
     max_tokens = req.max_tokens if req.max_tokens is not None else P.COMPLETIONS_DEFAULT_MAX_TOKENS
     inputs = P.engine_inputs(req, prompts, max_tokens, lambda ids: default_max_tokens(s, ids), s.max_logprobs,
-                             chunks)
+                             chunks, structured)
     echo = None
     if req.echo:   # 字符串提示词原样带回（与 OpenAI、vLLM 相同），token id 的提示词带回它的解码
         raw = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
@@ -351,21 +360,30 @@ async def index():
 
 
 async def sse_stream(handle: RequestHandle, shape: P.ResponseShape, include_usage: bool, usage,
-                     extras: Optional[ChoiceExtras] = None):
+                     extras: Optional[ChoiceExtras] = None, continuous: bool = False):
     """Delta → SSE chunk。chat 每个样本先发一个只有 role 的 chunk（它的第一个输出到来时，与 vLLM 相同）；
     没有新文本、也没结束的 Delta（例如一个汉字只到了一半）不发，除非客户端要了 token id 或 logprobs。
-    extras：echo 的提示词在每个样本的第一个 chunk 里；logprobs 跟着各自的 token。"""
-    extra = {"usage": None} if include_usage else {}
+    extras：echo 的提示词在每个样本的第一个 chunk 里；logprobs 跟着各自的 token。
+    include_usage：每个 chunk 的 usage 是 null，最后一个 chunk 带总数；continuous（vLLM 的 continuous_usage_stats）：
+    每个 chunk 的 usage 是这个样本的提示词与它到此为止生成的 token 数（role chunk 是 0；没发的 Delta 的 token 也算进去）。"""
+    done = [0] * len(handle.requests)          # 每个样本已经生成的 token（从交出来的 Delta 数，不读引擎那一侧）
+
+    def extra(i: int) -> dict:
+        if continuous:
+            return {"usage": P.usage(len(handle.requests[i].prompt_ids), done[i])}
+        return {"usage": None} if include_usage else {}
     started = set()
     try:
         async for d in handle.deltas():
             if shape.chat and d.index not in started:
                 started.add(d.index)
-                yield P.sse({**shape.role_chunk(d.index), **extra})
+                yield P.sse({**shape.role_chunk(d.index), **extra(d.index)})
+            done[d.index] += len(d.token_ids)
             text, lps = extras.chunk(d) if extras is not None and extras.active else (d.text, None)
             if (text or d.finish_reason or (shape.with_token_ids and d.token_ids)   # 要 token id 时一个也不能少
                     or (lps is not None and (d.logprobs or d.prompt_logprobs))):  # logprobs 也是
-                yield P.sse({**shape.delta_chunk(d.index, text, d.finish_reason, d.token_ids, lps), **extra})
+                yield P.sse({**shape.delta_chunk(d.index, text, d.finish_reason, d.token_ids, lps),
+                             **extra(d.index)})
         if include_usage:
             yield P.sse(shape.usage_chunk(usage()))
     except (EngineUnavailable, RequestFailed) as e:   # 响应头已经发出，只能在流里报错（vLLM 也这样）

@@ -15,7 +15,7 @@
   释放 GIL，所以这一步在算的时候，事件循环照常处理 HTTP。只有一个线程：一步接一步，从不并发。
   （vLLM V1 更进一步：引擎核心是另一个进程，用 ZMQ 收发请求和输出，连 Python 的调度开销都不跟 HTTP 抢 GIL。）
 - 一个 HTTP 请求的 n 个样本是 n 个引擎请求，共用这个 HTTP 请求的一个队列（Delta.index 区分）。
-- 停止字符串只在这里找一次（增量解码器看文本的尾巴）：引擎拿到的请求不带停止串，不必每个 token 把整段输出重新解码；
+- 停止字符串只在这里找一次（增量解码器看文本的尾巴）：引擎拿到的请求不带停止串，不必把这个 token 再解码一遍；
   找到了就在下一步之前 abort 那个引擎请求（块立刻还回池子），结束原因报 "stop"。
 - 失败分两种（vLLM 的 EngineDeadError 是同一个区分）：
   * 属于一个请求的（它的采样——引擎报 finish_reason "error"；它的停止串、增量解码）：只结束这个 HTTP 请求
@@ -243,7 +243,9 @@ class AsyncLLMEngine:
                 for r in h.requests:                       # 停止串由这一层找（见文件开头），引擎不必每步重新解码
                     chunks = getattr(r, "chunks", None)   # 段标记（step13）：给了才传，别的引擎的 add_request 没有这个参数
                     marks = () if chunks is None else (list(chunks),)
-                    h.request_ids.append(self.engine.add_request(replace(r, stop=()), *marks))
+                    so = getattr(r, "structured_output", None)   # 约束（step15）：同上，给了才传
+                    extra = {} if so is None else {"structured_output": so}
+                    h.request_ids.append(self.engine.add_request(replace(r, stop=()), *marks, **extra))
             except Exception as e:                         # 通常是 UserError：这个 HTTP 请求得到 400
                 for rid in h.request_ids:                  # n 个样本里前几个已经加进去了：一起撤回
                     self.engine.abort(rid)

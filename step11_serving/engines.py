@@ -22,13 +22,16 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
     "step10": "step10_tensor_parallel",
     "step12": "step12_kv_eviction",   # step09 的引擎 + KV 驱逐（--kv-policy / --kv-budget …）
     "step13": "step13_kv_blend",      # step12 的引擎 + 非前缀复用（--blend / --recompute-ratio）
+    "step15": "step15_structured_output",   # step09 的引擎 + 结构化输出（response_format、structured_outputs）
 }
 DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
 # 算 logprobs 的（Request.logprobs / prompt_logprobs → RequestOutput 里带着）；更早的引擎不看这两项，服务器回 400
-LOGPROBS_ENGINES = {"step09", "step10", "step12", "step13"}
+LOGPROBS_ENGINES = {"step09", "step10", "step12", "step13", "step15"}
 # add_request 收段标记的（chunks=[(start, end), ...]，completions 的 chunk_separator 字段）；别的引擎服务器回 400
 CHUNK_ENGINES = {"step13"}
+# add_request 收约束的（structured_output=StructuredOutputsParams，response_format / structured_outputs）；别的引擎 400
+STRUCTURED_ENGINES = {"step15"}
 # 认识滑动窗口层的（mistral 之类，common/config.py 的 layer_windows）；更早的引擎的缓存没有窗口，加载时拒绝这种模型
 SLIDING_WINDOW_ENGINES = {"step12"}
 # 与各步 run.py 同名的参数（run.py 的约定里叫 --no-prefix-cache）；其余字段按字段名生成
@@ -42,7 +45,7 @@ def engine_module(name: str):
         mod = importlib.import_module(f"{ENGINES[name]}.engine")
     except ImportError as e:
         raise UserError(f"cannot import engine {name}: {e}") from None
-    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig", "num_blocks_for_budget", "DEFAULT_KV_MIB")):
+    if not all(hasattr(mod, a) for a in ("LLMEngine", "EngineConfig")):
         raise UserError(f"{ENGINES[name]}.engine does not have the step API (LLMEngine, EngineConfig) yet")
     return mod
 
@@ -58,6 +61,10 @@ def computes_logprobs(engine) -> bool:
 
 def accepts_chunks(engine) -> bool:
     return _from(engine, CHUNK_ENGINES)
+
+
+def accepts_structured_output(engine) -> bool:
+    return _from(engine, STRUCTURED_ENGINES)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
@@ -107,12 +114,13 @@ def build_engine(name: str, session, args, parallel=None):
     parallel：parallel_group 给的 ParallelContext（step10 的 --tp/--pp > 1）。"""
     from common.clock import WallClock
     mod = engine_module(name)
+    conf = importlib.import_module(f"{ENGINES[name]}.config")   # 那一步的 EngineConfig 与块数换算
     kw = {f.name: getattr(args, f.name) for f, _, _ in config_fields(mod.EngineConfig)
           if getattr(args, f.name) is not None}
     if "num_blocks" not in kw:
         kv = {"kv_dtype": kw["kv_dtype"]} if kw.get("kv_dtype") else {}
-        kw["num_blocks"] = int(mod.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
-                                                         mod.DEFAULT_KV_MIB, **kv))
+        kw["num_blocks"] = int(conf.num_blocks_for_budget(session.model.cfg, kw["block_size"], session.model.dtype,
+                                                          conf.DEFAULT_KV_MIB, **kv))
     extra = {"parallel": parallel} if parallel is not None else {}
     draft = getattr(args, "draft_model", None)
     if (kw.get("spec_method") == "draft") != bool(draft):

@@ -3,11 +3,16 @@
 [1] 相同（决定退出码）：--kv-policy full 与 step09 的输出和每一次前向都相同；每个策略在预算盖得住整个序列时与 full
     相同；每个策略真实的缓存（压紧、重新旋转、按槽记分）与掩码模拟（reference.py）给出同样的 token 和 logprob；
 [2] 长文本（有损，只报数）：一段比训练长度还长的英文文本整段当一个提示词，逐位置的 NLL——full / window / sinks
-    （缓存位置与原文位置）/ h2o / snapkv；与 full 的 top-1 一致率与 NLL 差；每个请求持有的块随长度（驱逐之后是平的）；
-[3] passkey：藏在无关文字里的数，问题在提示词里与在压缩之后才问；
+    （缓存位置与原文位置）/ h2o / snapkv-chunked（snapkv 在 prefill 时留着整个提示词，提示词位置的 NLL 就是 full 的，
+    不量）；与 full 的 top-1 一致率与 NLL 差；每个请求持有的块随长度（驱逐之后是平的）；
+[3] passkey：藏在无关文字里的数，问题在提示词里与在压缩之后才问（snapkv-chunked：上下文一块、压缩，问题下一块）；
 [4] 贪心生成第一次与 full 分歧的位置（与 full 在那里的 top-2 差）；
 [5] 内存与速度：固定的池子同时放得下几个长请求；长上下文的 decode 一步；没超预算的请求不变慢（vs step09）；
     h2o 取分数的代价。
+
+--sections（逗号分开的 exactness / streams / passkey / greedy / concurrency / speed）只跑这几节；--settings（逗号分开的
+设置名前缀，如 snapkv）让每一节的设置列表只留这些（长文本与 decode 速度再留着当参照的 full）——改了一个策略之后只重量
+它的那几行。
 """
 import time
 
@@ -32,35 +37,46 @@ FULL = Setting()
 # 测量计划：完整模式约 40 分钟（空闲的 2 核），--quick 约 5 分钟。名字就是表格里的行、figures 里的后缀
 PLAN = {
     False: dict(text_tokens=16384, stream_new=16, nll_window=2048, plot_width=256,
-                streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512", "snapkv_512"],
+                streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512",
+                         "snapkv-chunked_512"],
                 sweep_tokens=4096, sweep=["sinks4_256_cachepos", "sinks4_1024_cachepos", "sinks4_2048_cachepos",
-                                          "h2o_256", "h2o_1024", "h2o_2048", "snapkv_256", "snapkv_1024", "snapkv_2048"],
+                                          "h2o_256", "h2o_1024", "h2o_2048", "snapkv-chunked_256", "snapkv-chunked_1024",
+                                          "snapkv-chunked_2048"],
                 passkey_lens=[1024, 2048], passkey_depths=[0.1, 0.5, 0.9],
                 passkey_inside=["full", "window_512", "sinks4_512_cachepos", "h2o_512", "snapkv_512", "snapkv_1024"],
-                passkey_after=["h2o_512", "snapkv_512", "snapkv_1024"], passkey_chunked=["snapkv_512"],
+                passkey_after=["h2o_512", "snapkv-chunked_512", "snapkv-chunked_1024"],
+                passkey_chunked=["snapkv-chunked_512", "snapkv_512"],
                 greedy_context=1024, greedy_new=32,
                 greedy=["window_512", "sinks4_256_cachepos", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512",
-                        "snapkv_512"],
+                        "snapkv_512", "snapkv-chunked_512"],
                 conc_requests=8, conc_prompt=2048, conc_new=16, conc_setting="sinks4_512_cachepos",
                 decode_context=8192, decode_new=32, decode_settings=["full", "sinks4_512_cachepos", "h2o_512"],
                 under_prompt=256, under_new=64, under_budget=2048, repeats=3),
     True: dict(text_tokens=1536, stream_new=8, nll_window=256, plot_width=64,
-               streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512", "snapkv_512"],
+               streams=["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "h2o_512",
+                        "snapkv-chunked_512"],
                sweep_tokens=1536, sweep=["sinks4_256_cachepos"],
                passkey_lens=[1024], passkey_depths=[0.1, 0.5, 0.9],
-               passkey_inside=["full", "sinks4_512_cachepos", "snapkv_512"], passkey_after=["snapkv_512"],
-               passkey_chunked=["snapkv_512"],
+               passkey_inside=["full", "sinks4_512_cachepos", "snapkv_512"], passkey_after=["snapkv-chunked_512"],
+               passkey_chunked=["snapkv-chunked_512", "snapkv_512"],
                greedy_context=512, greedy_new=16, greedy=["sinks4_256_cachepos", "h2o_256", "snapkv_256"],
                conc_requests=4, conc_prompt=768, conc_new=8, conc_setting="sinks4_256_cachepos",
                decode_context=1024, decode_new=8, decode_settings=["full", "sinks4_512_cachepos", "h2o_512"],
                under_prompt=128, under_new=16, under_budget=2048, repeats=1),
 }
-REF_SETTINGS = ["window_48", "sinks4_48_cachepos", "sinks4_48_textpos", "h2o_48", "snapkv_64"]   # 对照掩码模拟的短例子
+REF_SETTINGS = ["window_48", "sinks4_48_cachepos", "sinks4_48_textpos", "h2o_48", "snapkv_64",   # 对照掩码模拟的短例子
+                "snapkv-chunked_64"]
+SECTIONS = ("exactness", "streams", "passkey", "greedy", "concurrency", "speed")
 
 
 class Chapter:
     def __init__(self, args, s: cli.Session):
         self.args, self.s, self.quick, self.plan = args, s, args.quick, PLAN[bool(args.quick)]
+        if getattr(args, "settings", None):   # 只留名字以这些前缀开头的设置（长文本与 decode 速度里 full 是参照，留着）
+            keep = tuple(args.settings.split(","))
+            self.plan = {k: [x for x in v if x.startswith(keep) or (x == "full" and k in ("streams", "decode_settings"))]
+                         if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
+                         for k, v in self.plan.items()}
         self.tol, self.eos, self.bs, self.chunk = MARGIN_TOL[s.dtype], s.tok.eos_ids, args.block_size, args.max_num_batched_tokens
         self.ctx = s.cfg.max_position_embeddings
         self.checks, self.figures, self.pools_free = Checks(), {}, []
@@ -116,10 +132,10 @@ class Chapter:
         cover = -(-max(len(r.prompt_ids) + r.max_new_tokens for r in rq) // self.bs) * self.bs + 64
         ok = True
         for st in (Setting("window", cover), Setting("sinks", cover, "cache"), Setting("sinks", cover, "text"),
-                   Setting("h2o", cover), Setting("snapkv", cover)):
+                   Setting("h2o", cover), Setting("snapkv", cover), Setting("snapkv-chunked", cover)):
             e = self.engine(st, num_blocks=128, max_batch_size=8)
             out, st12 = e.generate(rq)
-            want, st_want = ref_nocache if st.policy in ("h2o", "snapkv") else (ref, st_full)
+            want, st_want = ref_nocache if st.policy not in ("window", "sinks") else (ref, st_full)
             same = (self.compare_all(f"cover_{st.label}", rq, want, out) and st12.forward_shapes == st_want.forward_shapes
                     and e.num_compactions == 0)
             ok &= same
@@ -161,7 +177,9 @@ class Chapter:
         print(f"模型 {s.path.name}，{s.device}/{s.dtype_name}，训练长度 {self.ctx}；块 {self.bs} token，"
               f"每次前向至多 {self.chunk} 个 token（--max-num-batched-tokens）；长文本：{text_source()}")
         m = measure.Measure(self, long_text_ids(s.tok, p["text_tokens"]))
-        for part in (self.exactness, m.streams, m.passkey, m.greedy, m.concurrency, m.speed):
+        wanted = self.args.sections.split(",") if getattr(self.args, "sections", None) else SECTIONS
+        parts = dict(zip(SECTIONS, (self.exactness, m.streams, m.passkey, m.greedy, m.concurrency, m.speed)))
+        for part in (parts[name] for name in SECTIONS if name in wanted):
             t = time.perf_counter()
             part()
             print(f"（这一节用时 {time.perf_counter() - t:.0f} s）", flush=True)

@@ -9,7 +9,8 @@ kv_cache.py 的 compact 把它们搬进新分到的块（旧块还回池子：�
     window   最后 B 个                                   （最简单的基线：开头的 token 一走就崩）
     sinks    槽 0..S-1（注意力的"汇"）+ 最后 B-S 个       （StreamingLLM）
     h2o      最后 R 个 + 其余槽里累计注意力最多的 B-R 个   （H2O：heavy hitter + recent）
-    snapkv   最后 w 个 + 其余槽里投票（最大池化后）最高的 B-w 个   （SnapKV：prefill 末尾的观察窗口投票）
+    snapkv   最后 w 个 + 其余槽里投票（最大池化后）最高的 B-w 个   （SnapKV：提示词最后 w 个 token 投票；
+             snapkv-chunked 同一条规则，只是每块 prefill 各投各的）
 
 分数一样时留靠前的槽（稳定排序）。打分本身（softmax(q·Kᵀ/√D) 按 KV 组求和）在 kv_cache.py 的 attend 里做：
 融合的注意力内核从不把概率写出来，所以要分数的请求再读一遍自己的 K 算一遍。
@@ -27,7 +28,7 @@ from common.model import rotate_half
 def kept_slots(policy: str, kv_len: int, budget: int, num_layers: int, num_kv_heads: int, *, sinks: int = 0,
                recent: int = 0, scores: torch.Tensor | None = None, pool_kernel: int = 1) -> torch.Tensor:
     """kv_len 个槽里留 budget 个：返回 (layers, H_kv, budget) 的槽号，每行升序。
-    scores (layers, H_kv, ≥ kv_len)：h2o 的累计分数，或 snapkv 的投票（此时 recent = 观察窗口 w）。"""
+    scores (layers, H_kv, ≥ kv_len)：h2o 的累计分数，或 snapkv / snapkv-chunked 的投票（此时 recent = 观察窗口 w）。"""
     L, H, B = num_layers, num_kv_heads, budget
     if policy == "window":
         keep = torch.arange(kv_len - B, kv_len)

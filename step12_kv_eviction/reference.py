@@ -9,9 +9,11 @@
   - 位置：text = token 在全文里的下标；cache = key 此刻在自己那个 (层, 头) 的 kept 里排第几（query 排在 kept 之后）。
     每次前向从存着的 RoPE 之前的 K 从头旋转一遍，不用增量：引擎是压紧时乘 R(新槽 − 旧槽) 增量地转，
     两种算法得出同一个数才说明增量转对了；
-  - 何时驱逐、驱逐成什么样（引擎的设计：每次前向之后 kept 数 ≥ budget + block_size 就留 budget 个；
-    window / sinks / h2o / snapkv 各自留哪些）在下面几个五行的函数里各写一遍；分数（h2o 累计的注意力概率、
-    snapkv 观察窗的投票）由这里自己的掩码注意力算出来。
+  - 何时驱逐、驱逐成什么样在下面几个五行的函数里各写一遍：window / sinks / h2o 每次前向之后 kept 数 ≥ budget +
+    block_size 就留 budget 个；snapkv（论文的规则）整个提示词算完之后、提示词长于 budget 时压缩一次，票是提示词最后
+    w 个 token 的 query 对它们之前的 token 的注意力（这些 query 分在几块里算时票累加）；snapkv-chunked 每块提示词之后
+    kept 数 ≥ budget + block_size 就按这一块最后 w 个 query 的票留 budget 个。两种 snapkv 在 decode 里都不驱逐。
+    分数（h2o 累计的注意力概率、snapkv 的票）由这里自己的掩码注意力算出来。
 
 怎么拿到 RoPE 之前的 K：传给模型的位置全是 0（cos = 1、sin = 0，apply_rope 是恒等变换），模型交给 attend 的
 q、k 就是没转过的；attend 按这次前向的位置自己转 q、按每个 key 此刻的位置转 K（用模型自己的 rope，数值与模型相同）。
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from common.model import apply_rope, attention
 
-POLICIES = ("full", "window", "sinks", "h2o", "snapkv")
+POLICIES = ("full", "window", "sinks", "h2o", "snapkv", "snapkv-chunked")
 
 
 # ---- 留哪些：每个函数拿到此刻在缓存里的 n 个 token（按文本顺序排好），返回要留的那几个的下标（升序） ----
@@ -75,8 +77,8 @@ class MaskSimCache:
     dtype: torch.dtype
     device: torch.device
     cache_positions: bool                      # True：位置 = kept 里的名次；False：位置 = 文本下标
-    need_probs: bool = False                   # 这次前向要不要各层的注意力概率（h2o 每次都要，snapkv 压紧前那次要）
-    vote_queries: int = 0                      # > 0：只取最后这么多个 query 的概率（snapkv 的观察窗）
+    need_probs: bool = False                   # 这次前向要不要各层的注意力概率（h2o 每次都要，snapkv 投票的那几次要）
+    vote_queries: int = 0                      # > 0：只取最后这么多个 query 的概率（snapkv 的观察窗落在这一块里的）
     mask: Optional[torch.Tensor] = None        # 接口要的属性；这里每层的掩码不同（kept 按层），在 attend 里现造
     k: torch.Tensor = field(init=False)        # (layers, H_kv, capacity, D) RoPE 之前的 K
     v: torch.Tensor = field(init=False)
@@ -187,7 +189,7 @@ def simulate(model, prompt_ids: Seq[int], *, policy: str = "full", budget: Optio
 
     chunk：提示词怎么切块，与引擎一致才可比：None = 一整块；整数 = 每块至多这么多（单独一个请求时引擎的
     max_num_batched_tokens）；列表 = 各块的大小（一批里有多个请求时，从引擎的调度记录里读出）。
-    每次前向之后 kept 数 ≥ budget + block_size 就按策略留 budget 个；snapkv 只在算了提示词的那次前向之后。"""
+    何时留、留哪些见文件开头（snapkv 是整个提示词之后一次，snapkv-chunked 是每块提示词之后）。"""
     knobs = resolve_knobs(policy, budget, num_sinks, positions, h2o_recent, snapkv_window, snapkv_pool)
     P = len(prompt_ids)
     if chunk is None:
@@ -202,7 +204,9 @@ def simulate(model, prompt_ids: Seq[int], *, policy: str = "full", budget: Optio
     total = P + max(max_new_tokens - 1, 0)
     cache = MaskSimCache(model.rope, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, total, model.dtype, dev,
                          cache_positions=knobs["positions"] == "cache")
-    scores = torch.zeros(cfg.num_layers, cfg.num_kv_heads, total, dtype=torch.float64, device=dev)  # h2o 的累计分数
+    # h2o 的累计分数；snapkv 的票（提示词最后 w 个 query 的，跨块累加）
+    scores = torch.zeros(cfg.num_layers, cfg.num_kv_heads, total, dtype=torch.float64, device=dev)
+    w = knobs["snapkv_window"]
     tokens = list(prompt_ids)
     logits, kept_after, compactions, margin = [], [], 0, float("inf")
     steps = chunks + [1] * max(max_new_tokens - 1, 0)
@@ -210,15 +214,19 @@ def simulate(model, prompt_ids: Seq[int], *, policy: str = "full", budget: Optio
     for i, L in enumerate(steps):
         is_prompt = i < len(chunks)
         kv_len = int(cache.kept[0, 0, :start].sum())
-        compact = policy != "full" and kv_len + L >= budget + block_size and (policy != "snapkv" or is_prompt)
-        cache.begin(start, L, need_probs=policy == "h2o" or (policy == "snapkv" and compact),
-                    vote_queries=min(knobs["snapkv_window"], L) if policy == "snapkv" else 0)
+        if policy == "snapkv":     # 这一块里有几个 query 落在提示词的最后 w 个位置上；最后一块提示词之后压缩一次
+            voters = max(0, min(L, start + L - (P - w))) if is_prompt else 0
+            compact = i == len(chunks) - 1 and kv_len + L > budget
+        else:
+            compact = policy != "full" and kv_len + L >= budget + block_size and (policy != "snapkv-chunked" or is_prompt)
+            voters = min(w, L) if policy == "snapkv-chunked" and compact else 0
+        cache.begin(start, L, need_probs=policy == "h2o" or voters > 0, vote_queries=voters)
         ids = torch.tensor([tokens[start:start + L]], device=dev)
         out = model(ids, torch.zeros_like(ids), cache)[0]                               # (L, V)；位置见 attend
         logits.append(out.float().cpu())
         cache.kept[:, :, start:start + L] = True
         n = start + L
-        if policy == "h2o":
+        if policy in ("h2o", "snapkv") and cache.probs_sum:
             scores[:, :, :n] += torch.stack(cache.probs_sum)                            # (layers, H_kv, n)
         if compact:
             compactions += 1
@@ -226,8 +234,8 @@ def simulate(model, prompt_ids: Seq[int], *, policy: str = "full", budget: Optio
                 for h in range(cfg.num_kv_heads):
                     idx = cache.kept[layer, h, :n].nonzero()[:, 0]                      # 此刻在缓存里的 token，升序
                     keep, m = select(policy, len(idx), budget, knobs,
-                                     scores[layer, h, idx] if policy == "h2o" else
-                                     cache.probs_sum[layer][h, idx] if policy == "snapkv" else None)
+                                     scores[layer, h, idx] if policy in ("h2o", "snapkv") else
+                                     cache.probs_sum[layer][h, idx] if policy == "snapkv-chunked" else None)
                     margin = min(margin, m)
                     cache.kept[layer, h, :n] = False
                     cache.kept[layer, h, idx[keep.to(dev)]] = True
@@ -250,7 +258,7 @@ def select(policy: str, n: int, budget: int, knobs: dict, scores: Optional[torch
         return keep_sinks(n, budget, knobs["num_sinks"]), float("inf")
     recent = knobs["h2o_recent"] if policy == "h2o" else knobs["snapkv_window"]
     scores = scores.cpu()
-    if policy == "snapkv":
+    if policy != "h2o":
         scores = snapkv_pooled(scores, recent, knobs["snapkv_pool"])
     keep = keep_recent_and_top(scores, budget, recent)
     dropped = torch.ones(n, dtype=torch.bool)

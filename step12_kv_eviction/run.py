@@ -1,6 +1,8 @@
-"""step12_kv_eviction：KV 驱逐——每个请求只留 --kv-budget 个 token 的 K/V（window / sinks / h2o / snapkv），多出来的块还回池子。
+"""step12_kv_eviction：KV 驱逐——每个请求只留 --kv-budget 个 token 的 K/V（window / sinks / h2o / snapkv /
+snapkv-chunked），多出来的块还回池子。
 
     python step12_kv_eviction/run.py [--quick] [--json] [--plot PATH] [--plot-blocks PATH]  # 章节模式（chapter.py）
+    python step12_kv_eviction/run.py --sections passkey,greedy --settings snapkv   # 章节模式只重跑其中几节、几个设置
     python step12_kv_eviction/run.py --prompt "..." --kv-policy sinks --kv-budget 256
     python step12_kv_eviction/run.py --prompt "..." --kv-policy h2o --kv-budget 512 --kv-positions text
 
@@ -21,6 +23,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step12_kv_eviction import engine as step12  # noqa: E402
+from step12_kv_eviction.config import num_blocks_for_budget  # noqa: E402
 
 
 def make_parser() -> cli.Parser:
@@ -38,6 +41,10 @@ def make_parser() -> cli.Parser:
                                    help="草稿模型的 HF 目录（与目标同一个分词器）；给了它，--spec-method 默认是 draft")
     p.add_argument("--plot", default=None, help="章节模式：逐位置 NLL 的图存到这个路径（PNG）")
     p.add_argument("--plot-blocks", default=None, help="章节模式：每个请求持有的 KV 块随已处理 token 的图存到这个路径（PNG）")
+    p.add_argument("--sections", default=None,
+                   help="章节模式：只跑这几节（逗号分开：exactness,streams,passkey,greedy,concurrency,speed）")
+    p.add_argument("--settings", default=None,
+                   help="章节模式：每一节只跑名字以这些前缀开头的设置（逗号分开，如 snapkv；长文本与 decode 速度的参照 full 留着）")
     return p
 
 
@@ -78,6 +85,13 @@ def check_args(args) -> None:
         raise UserError(f"--draft-model is only used with --spec-method draft (got {method})")
     if not args.no_chunked_prefill:
         config(args, args.num_blocks or 1, args.max_batch_size, args.max_num_batched_tokens).validate()
+    if (args.sections or args.settings) and args.prompt is not None:
+        raise UserError("--sections and --settings select parts of the chapter mode (drop --prompt)")
+    if args.sections:
+        from step12_kv_eviction.chapter import SECTIONS
+        unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+        if unknown:
+            raise UserError(f"unknown --sections {', '.join(unknown)} (choose from {', '.join(SECTIONS)})")
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None, draft_model=None):
@@ -110,7 +124,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step12_kv_eviction.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step12.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     draft = (cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear, sliding_window=True).model
              if spec_method(args) == "draft" else None)
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens, draft_model=draft)

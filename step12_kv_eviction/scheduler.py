@@ -19,13 +19,17 @@ step12 的 KV 驱逐（evicting=True：策略不是 full）：块数都按槽（
 全部的块——那样驱逐就白做了——接纳时只分第一块 prefill 要写的槽，之后每一块 prefill 与 decode 一样，算之前把块表
 补到覆盖它要写的槽（_grow），池子空了抢占最新的请求；拿到的块不够一整块 prefill 时这一块就少算几个 token。
 换出保留它的槽、num_evicted 和分数；重算把它们清零（block_manager.free_seq），重新 prefill 时策略一块一块地重新作用。
+命中前缀缓存时，命中的前缀加第一块 prefill 不超过 max_blocks 块（add_request 按预算检查过的、一个请求一次前向最多
+占的块数）：命中得更多时只用前面几块、其余照常重算——否则池子再空也接纳不了它。snapkv（split_at_prompt）：prefill 的
+一块不跨过提示词的末尾——它在那里投票、压缩一次，被重算的请求也在同一处压缩。
+运行集合空着（池子里没人持有块）队头也接纳不了的请求永远跑不了：schedule 把它交给引擎（unschedulable），引擎结束它。
 evicting=False 时与 step09 逐行相同。
 """
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixMatch
 from .sequence import Sequence, SequenceStatus
 from .swap import SwapSpace
 
@@ -36,14 +40,17 @@ class SchedulerOutput:
     num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
     is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
     num_decode_tokens: int        # 其中 decode 的 token 数（已经在 decode 的请求各 1 个，加上它们要验证的猜测）
+    unschedulable: Optional[Sequence] = None   # 池子全空也接纳不了的队头：引擎以错误结束它
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
                  swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None,
-                 evicting: bool = False):
+                 evicting: bool = False, max_blocks: Optional[int] = None, split_at_prompt: bool = False):
         self.block_manager = block_manager
         self.evicting = evicting                              # step12：有驱逐策略时块边算边分（见文件开头）
+        self.max_blocks = max_blocks                          # step12：接纳时命中 + 第一块最多占几块（None = 不限）
+        self.split_at_prompt = split_at_prompt                # step12 snapkv：prefill 的一块不跨过提示词的末尾
         self.swap = swap                                      # None = --preempt recompute
         self.on_preempt = on_preempt                          # 请求被抢占时调用（引擎：提议者丢掉为它存的状态）
         self.max_batch_size = max_batch_size                  # 运行集合最多几个请求（= decode 的批大小上限）
@@ -68,7 +75,7 @@ class Scheduler:
         num_decode = sum(num_new)
         for seq in self.running:                                        # 2) 还没 prefill 完的，按进入的先后
             if seq.in_prefill and budget > 0:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._room(seq))
+                n = min(self._prefill_len(seq, budget), self._room(seq))
                 if n > 0:                                               # 驱逐时：块表只覆盖到 _grow 分到的槽
                     seqs.append(seq)
                     num_new.append(n)
@@ -77,9 +84,19 @@ class Scheduler:
         if budget > 0 and not preempted:
             for seq in self._admit(budget):
                 seqs.append(seq)
-                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+                num_new.append(self._prefill_len(seq, budget))
                 budget -= num_new[-1]
-        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
+        # 没人在跑、这一步也没抢占（池子里没人持有块）却谁也接纳不了：队头永远跑不了
+        stuck = (self.swapped or self.waiting or [None])[0] if not (seqs or preempted or self.running) else None
+        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode, stuck)
+
+    def _prefill_len(self, seq: Sequence, budget: int, computed: Optional[int] = None) -> int:
+        """这一步最多算它几个 prefill token（从第 computed 个起，默认 num_computed_tokens）：还没算的，不超过预算；
+        split_at_prompt 时不跨过提示词的末尾。"""
+        computed = seq.num_computed_tokens if computed is None else computed
+        n = min(seq.num_tokens - computed, budget)
+        prompt = len(seq.request.prompt_ids)
+        return min(n, prompt - computed) if self.split_at_prompt and computed < prompt else n
 
     def _room(self, seq: Sequence) -> int:
         """块表里还有几个空槽可写（step12 驱逐时 prefill 的一块不能超过它；不驱逐时块表早已覆盖全部 token）。"""
@@ -89,8 +106,7 @@ class Scheduler:
 
     def _slots_for(self, seq: Sequence, budget: int) -> int:
         """接纳 / 换入时块表要覆盖的槽：不驱逐时是全部 token（step09）；驱逐时只到这一步要算的那块为止。"""
-        rest = seq.num_tokens - seq.num_computed_tokens
-        return seq.kv_len + (min(rest, budget) if self.evicting else rest)
+        return seq.kv_len + (self._prefill_len(seq, budget) if self.evicting else seq.num_tokens - seq.num_computed_tokens)
 
     def _fit_spec(self, seq: Sequence, budget: int) -> int:
         """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上
@@ -128,11 +144,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
             match = self.block_manager.match_prefix(seq)
+            hit = len(match.blocks) * bm.block_size
+            while self.max_blocks is not None and bm.blocks_for(hit + self._prefill_len(seq, budget, hit)) > self.max_blocks:
+                match, hit = PrefixMatch(match.blocks[:-1], None), hit - bm.block_size   # 少用一块命中，它照常重算
             if match.next_key is not None and match.next_key in computing:
                 break  # 前面有人正要算同一块：等下一步直接命中
             # 驱逐时只为第一块 prefill 分块：命中的前缀之后、这一步算得了的那些 token
-            hit = len(match.blocks) * self.block_manager.block_size
-            slots = hit + min(seq.num_tokens - hit, budget) if self.evicting else None
+            slots = hit + self._prefill_len(seq, budget, hit) if self.evicting else None
             if not self.block_manager.can_allocate_seq(seq, match, slots):
                 break  # 不跳过队头去接后面的小请求：保持先来先服务，也不会饿死长请求
             self.block_manager.allocate_seq(seq, match, slots)   # 不驱逐时块按整段 token 一次分好：prefill 到一半不会缺块
@@ -156,7 +174,7 @@ class Scheduler:
             seq = self.running[i]
             if seq.in_prefill:
                 if self.evicting and budget > 0:
-                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    n = self._prefill_len(seq, budget)
                     budget -= n
                     need = bm.blocks_for(seq.kv_len + n) - len(seq.block_table)
                     while need > 0 and self._room(seq) == 0 and not bm.can_allocate(1):

@@ -19,14 +19,18 @@
             存着的段不变，仍与位置无关）。r = 0 与 reuse 逐位相同，r = 1 就是完整 prefill。
 
 偏差用哪个：LMCache 的 blender 比较 RoPE 之后的 K（float32 的平方 L2），CacheBlend 原始代码（vllm_blend）比较 V。
-我们默认用 K（deviation_on="k"，同 LMCache），"v" 也可选。只选一个检查层（两者的默认 check_layers=[1]），
-没有论文里"逐层缩小"的 gradual filtering。
+我们默认用 K（deviation_on="k"，同 LMCache），"v" 也可选（EngineConfig.deviation_on）。只选一个检查层（两者的默认
+check_layers=[1]），没有论文里"逐层缩小"的 gradual filtering。
+
+代价（blend_cost）按"走完全部层的 token 数"折算：重算的 token 各 1 个，检查段（全部 n 个 token 走前 CHECK_LAYER 层）
+⌈n·CHECK_LAYER / L⌉ 个（检查层那几个投影不另算）。一个也不选时（r = 0，或 r × 复用数不到 1）不跑检查段。
 
 blend_prefill 是一个手写的逐层前向：一个请求、连续的 (layers, 2, H_kv, n, D) K/V，不碰分页池子——引擎（engine.py）
 负责把段的 K/V 从池子里读出来、把结果写进请求自己的块。形状记号见 common/shapes.py。
 """
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -40,6 +44,7 @@ from . import eviction
 BLEND_MODES = ("concat", "reuse", "blend")      # 走 blend_prefill 的模式
 ALL_MODES = ("none", "prefix") + BLEND_MODES      # --blend 的全部取值
 CHECK_LAYER = 1                                   # 在哪一层选重算的 token（CacheBlend、LMCache 的默认）
+DEVIATIONS = ("k", "v")                           # 检查层比较哪一个：K（LMCache 的默认）/ V（CacheBlend 的 vllm_blend）
 
 
 # ---- 位置：RoPE 的再旋转 ----
@@ -122,6 +127,20 @@ def check_ratio(ratio) -> float:
     return float(ratio)
 
 
+def num_to_select(ratio: float, num_reused: int) -> int:
+    """复用的 token 里选几个重算：⌊r × 复用数⌋（同 LMCache 的 int(total_len * recomp_ratio)），r 按写出来的十进制算——
+    二进制浮点里 0.29 × 100 = 28.999999999999996，直接 int() 会少选一个。r = 1 时全选。"""
+    return math.floor(Fraction(repr(ratio)) * num_reused)
+
+
+def blend_cost(n: int, num_reused: int, mode: str, ratio: float, num_layers: int) -> int:
+    """blend_prefill 算掉多少，折算成走完全部层的 token 数：重算的（没有可复用 K/V 的 + 选中的）各 1 个，
+    检查段 ⌈n·CHECK_LAYER / L⌉ 个（只在真的要选时跑）。n 个 token 里 num_reused 个有复用的 K/V。"""
+    top = num_to_select(ratio, num_reused) if mode == "blend" else 0
+    probe = -(-n * CHECK_LAYER // num_layers) if top else 0
+    return n - num_reused + top + probe
+
+
 @torch.inference_mode()
 def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: torch.Tensor, mode: str,
                   ratio: float = 0.0, deviation_on: str = "k", all_logits: bool = False) -> BlendResult:
@@ -131,8 +150,8 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
     答案位置做 teacher forcing：它们在问题部分里，总被重算）。"""
     if mode not in BLEND_MODES:
         raise ValueError(f"mode must be one of {BLEND_MODES}, got {mode!r}")
-    if deviation_on not in ("k", "v"):
-        raise ValueError(f"deviation_on must be 'k' or 'v', got {deviation_on!r}")
+    if deviation_on not in DEVIATIONS:
+        raise ValueError(f"deviation_on must be one of {DEVIATIONS}, got {deviation_on!r}")
     ratio = check_ratio(ratio)
     n, dev, layers = len(token_ids), model.device, model.layers
     ids = torch.tensor([token_ids], device=dev)                                  # (1, n)
@@ -144,8 +163,9 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
 
     # 1) 选谁重算（只有 blend）：照完整 prefill 算检查层之前的层（全部 token），在检查层比较新算的 K（或 V）
     #    与复用的：每个 token 一个偏差 = Σ_头 Σ_维 (新 − 旧)²。第 0 层的 K/V 只依赖 token 自己和位置，
-    #    转过位置之后与复用的相同，看不出谁受了前文影响，所以检查层是 1。
-    if mode == "blend" and reused.any():
+    #    转过位置之后与复用的相同，看不出谁受了前文影响，所以检查层是 1。一个也不选（r = 0）就不必算
+    top = num_to_select(ratio, int(reused.sum())) if mode == "blend" else 0
+    if top:
         x = model.embed_tokens(ids)                                              # (1, n, E)
         for layer in layers[:CHECK_LAYER]:
             x = layer_rest(layer, x, attend(*layer_qkv(layer, x, cos, sin)))    # 没有缓存：普通的因果注意力
@@ -154,7 +174,6 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
         old = kv[CHECK_LAYER, 0 if deviation_on == "k" else 1].float()           # (H_kv, n, D)
         dev_score = ((new - old) ** 2).sum(dim=(0, 2))                           # (n,)
         dev_score[~reused] = -math.inf                                           # 只在复用的 token 里选
-        top = int(ratio * int(reused.sum()))                                     # 向下取整（同 LMCache）：r = 1 时全选
         selected[dev_score.topk(top).indices] = True
         probe = n
 
@@ -178,31 +197,47 @@ def blend_prefill(model, token_ids: list[int], cached_kv: torch.Tensor, reused: 
 
 
 # ---- 从块缓存拼出一个请求的复用 K/V ----
+def chunks_before(token_ids: list[int], chunks: list[tuple[int, int]], n: int) -> list[tuple[int, int, tuple]]:
+    """提示词前 n 个 token 里的段：(start, end, 段的全部 token)。段整段查、整段存（key 是它全部的 token），
+    最后一个提示词 token 落在段里时只用到它之前。"""
+    return [(start, end, tuple(token_ids[start:end])) for start, end in chunks if start < n]
+
+
+def reuse_cost(store, token_ids: list[int], chunks: list[tuple[int, int]], n: int) -> tuple[int, int]:
+    """reuse_chunks 会单独算几个 token（块缓存里没有的段，一个请求里重复的段只算一次），前 n 个 token 里
+    几个有复用的 K/V。只看不动：不 acquire、不记命中。"""
+    pieces = chunks_before(token_ids, chunks, n)
+    missing = sum(len(ids) for ids in {ids for _, _, ids in pieces} if not store.contains(ids))
+    return missing, sum(min(end, n) - start for start, end, _ in pieces)
+
+
 @torch.inference_mode()
 def reuse_chunks(model, store, token_ids: list[int], chunks: list[tuple[int, int]], mode: str, n: int):
     """提示词的前 n 个 token 里，各段的 K/V：块缓存里有就拿（acquire），没有就单独算一遍（位置 0..）、存进去
-    （池子腾不出块就不存，照样用）。concat：原样放到段的位置；reuse / blend：K 再转 Δ = start（V 不变）。
+    （池子腾不出块就不存，照样用）。先把命中的段全部 acquire、再算没命中的：存新段要腾块时驱逐不到这个请求要用的段，
+    单独算的 token 数正好是 reuse_cost 事先报的。concat：原样放到段的位置；reuse / blend：K 再转 Δ = start（V 不变）。
     返回 (kv (layers, 2, H_kv, n, D)，reused (n,) bool，持有的段（用完要 store.release），单独算了几个 token)。"""
     cfg, dev = model.cfg, model.device
     kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim, device=dev, dtype=model.dtype)
     reused = torch.zeros(n, dtype=torch.bool)
+    pieces = chunks_before(token_ids, chunks, n)
+    got: dict[tuple, torch.Tensor] = {}                # 段的 token → 它存着（或刚算出）的 K/V (layers, 2, H_kv, len, D)
     held, computed = [], 0
     try:
-        for start, end in chunks:
-            if start >= n:
-                break
-            ids = token_ids[start:end]                # 整段查、整段存（段的 key 是它全部的 token）
-            entry = store.lookup(ids)
-            if entry is None:
-                c = chunk_kv(model, ids)                                      # (layers, 2, H_kv, len, D)
-                computed += len(ids)
-                entry = store.put(ids, c)
-            else:
-                c = store.read(entry)
-            if entry is not None:
+        for _, _, ids in pieces:
+            if ids not in got and (entry := store.lookup(ids)) is not None:
                 held.append(entry)
-            m = min(end, n) - start                   # 最后一个提示词 token 落在段里时，只用到它之前
-            c = c[:, :, :, :m]
+                got[ids] = store.read(entry)
+        for _, _, ids in pieces:
+            if ids not in got:
+                got[ids] = chunk_kv(model, list(ids))
+                computed += len(ids)
+                entry = store.put(ids, got[ids])
+                if entry is not None:
+                    held.append(entry)
+        for start, end, ids in pieces:
+            m = min(end, n) - start
+            c = got[ids][:, :, :, :m]
             if mode != "concat":
                 c = torch.stack((rerotate(c[:, 0], start, model), c[:, 1]), dim=1)
             kv[:, :, :, start:start + m], reused[start:start + m] = c, True

@@ -12,6 +12,7 @@
     每种模式、r ∈ {0, 0.05, 0.15, 0.3, 1}；引擎贪心生成的回答与完整 prefill 的相同的比例；答案正确率（小模型，仅供参考）。
 [3] 代价：每个请求的 TTFT（同一台机器、同一批请求，一次一个请求、各模式交替着跑，块缓存和前缀缓存都预先热好）与算了几个 token
     （折算成走完全部层的 token 数），对照完整 prefill 与前缀缓存。
+blend 的偏差比较哪一个随 --deviation-on（默认 k；给它要同时给 --blend blend，同 --recompute-ratio 的规矩，其余模式照常量）。
 [2] 的 teacher forcing 量全部请求（每种模式一次前向）；引擎生成（[2] 的"回答同完整""答对"与 [3]）量前 ENGINE_REQUESTS 个
 （三种问题各占三分之一）：每种模式都要完整生成一遍，全量跑要半个多小时，这样章节运行在 2 核上约一刻钟。
 """
@@ -96,6 +97,7 @@ def make_workload(rng: random.Random, n_requests: int, docs_per_request: tuple[i
 class Chapter:
     def __init__(self, args, s: cli.Session):
         self.args, self.s, self.quick = args, s, args.quick
+        self.deviation = args.deviation_on or "k"             # blend 的偏差比较 K 还是 V（--deviation-on）
         self.bs, self.tol = args.block_size, MARGIN_TOL[s.dtype]
         self.checks, self.figures = Checks(), {}
         rng = random.Random(13)
@@ -146,7 +148,7 @@ class Chapter:
                 c = torch.stack((rerotate(c[:, 0], s_, model), c[:, 1]), dim=1)
             kv[:, :, :, s_:e], reused[s_:e] = c, True
         base = "blend" if mode.startswith("blend") else mode
-        res = blend_prefill(model, ids, kv, reused, base, ratio, all_logits=True)
+        res = blend_prefill(model, ids, kv, reused, base, ratio, self.deviation, all_logits=True)
         idx = res.selected.nonzero()[:, 0].tolist()
         rows = [idx.index(p) for p in range(n - n_answer - 1, n - 1)]   # 位置 p 的 logits 预测第 p+1 个 token
         return res.all_logits[rows], res
@@ -182,7 +184,8 @@ class Chapter:
             for m in modes:
                 blend, ratio = ("blend", int(m[5:]) / 100) if m.startswith("blend") else (m, None)
                 eng = pre if m == "prefix" else main
-                eng.config = dataclasses.replace(eng.config, blend=blend, recompute_ratio=ratio)
+                eng.config = dataclasses.replace(eng.config, blend=blend, recompute_ratio=ratio,
+                                                 deviation_on=self.deviation if blend == "blend" else None)
                 eng.config.validate()
                 r = eng.generate([Request(ids, self.max_new)], [chunks])
                 st = r.stats
@@ -253,7 +256,7 @@ class Chapter:
             outs, ttft, cached, reused = runs[m]
             same = sum(o == n for o, n in zip(outs, none_out)) / len(outs)
             acc = sum(r[4].lower() in s.tok.decode(o).lower() for o, r in zip(outs, self.gen_reqs)) / len(outs)
-            probe = (CHECK_LAYER / self.L) * sum(P) if m.startswith("blend") else 0.0
+            probe = (CHECK_LAYER / self.L) * sum(P) if m.startswith("blend") and m != "blend0" else 0.0   # r = 0 不跑检查段
             computed = (sum(P) - sum(cached) - sum(reused) + probe) / len(P)
             t = statistics.median(ttft)
             name = "full" if m == "none" else m

@@ -14,7 +14,8 @@
 - 正在用它的请求（acquire 到 release 之间）每个持一份引用：ref ≥ 1 的块不会被驱逐；
 - 没人用时引用为 0，块进 BlockManager.evictable，与没人用的前缀块排在同一条 LRU 里：池子不够时
   allocate 从最久没用的开始驱逐（不论是前缀块还是段块）。段里任何一块被驱逐，这一段就失效：下次查到时
-  把剩下的块也还给空闲链表（lookup 里核对每一块的原像，同 match_prefix 的做法）。
+  把剩下的块也还给空闲链表（lookup 里核对每一块的原像，同 match_prefix 的做法）；每次存新段时也把失效的段全部忘掉，
+  所以 entries 里只有完整的段（每段至少占一块），条目数不超过池子的块数——服务器一直跑也不会越积越多。
 
 KV 的读写按"槽"：段里第 s 个 token 在 blocks[s // bs] 的第 s % bs 个位置；池子的布局同 kv_cache.py：
 (layers, 2, num_blocks + 1, H_kv, block_size, D)。
@@ -93,6 +94,12 @@ class ChunkStore:
                 del self.bm.cached[b]
                 self.bm.free_blocks.append(b)
 
+    def contains(self, token_ids) -> bool:
+        """有没有这一段（还完整地在池子里）。只看不动：不 acquire、不记命中（引擎接纳前估代价用）。"""
+        token_ids = tuple(token_ids)
+        e = self.entries.get(chunk_key(token_ids))
+        return e is not None and e.token_ids == token_ids and self._valid(e)
+
     def lookup(self, token_ids) -> Optional[ChunkEntry]:
         """命中：acquire 它（每块引用 +1，没人用的从 evictable 取出）并返回；没有或已失效：None。"""
         token_ids = tuple(token_ids)
@@ -147,7 +154,13 @@ class ChunkStore:
         e = ChunkEntry(key, token_ids, blocks, records, users=1)
         self.entries[key] = e
         self.stored += 1
+        self._prune()                                    # 这次分块（和之前请求要块时）驱逐掉的段
         return e
+
+    def _prune(self) -> None:
+        """忘掉失效的段（有块被 LRU 驱逐了）：之后 entries 里每段都还完整地占着池子里的块。"""
+        for e in [e for e in self.entries.values() if not self._valid(e)]:
+            self._forget(e)
 
     def read(self, e: ChunkEntry) -> torch.Tensor:
         """段存着的 K/V → (layers, 2, H_kv, n, D)（位置 0..n−1 的旋转）。"""

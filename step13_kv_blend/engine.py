@@ -26,9 +26,14 @@ step12 加的 KV 驱逐（kv_policy 不是 "full" 时；full 与 step09 逐位�
 token 的 K/V。每次前向之后（_evict），槽数到了 预算 + 一块 的请求被压缩到正好 预算 个槽：eviction.kept_slots 选出
 要留的槽，块管理器先收回它的整张旧块表、再分 blocks_for(预算) 个新块，kv_cache.compact 把留下的 K/V 拷进去——
 多出来的块真的回到池子里。多留一块的余量让压缩（和 cache 位置时的重新旋转）每 block_size 个 token 才做一次。
-snapkv 只在算了提示词 token 的前向之后压缩（prefill 末尾的观察窗口投票），decode 照常往后写。
-h2o 每次前向给它的全部 query 打分、snapkv 在要压缩的那一块给观察窗口打分（plan 的 score_queries，kv_cache.py）。
+h2o 每次前向给它的全部 query 打分（plan 的 score_queries，kv_cache.py）。
+snapkv 是论文的做法：prefill 时整个提示词都留着（这就是 SnapKV 真实的内存：add_request 按它检查块数），提示词最后
+w 个位置的 query 投票（它们可能分在几块里算，票一直累加），算完提示词最后一个 token 的那次前向之后压缩一次、
+提示词长于预算才压；decode 只往后追加，一个也不扔（同 SnapKV 的代码：只压缩提示词），所以它的槽数是 预算 + 生成的。
+snapkv-chunked 是流式的变体：每一块 prefill 之后槽数到了 预算 + 一块 就压缩，投票的是这一块自己的最后 w 个 query
+（问题在最后一块时，前面几块压缩时它还没来），提示词再长也不超预算；decode 同样只追加。
 新块分不到（块被别人共享、池子满）时这一次不压缩，下一次前向之后再试（num_compactions_skipped）。
+抢占默认换出（preempt 没给时）：重算要把 提示词 + 已生成 整段再 prefill 一遍，驱逐省下的又全要回来。
 投机解码与量化的池子和驱逐不能同时开（EngineConfig.validate 说为什么）。
 
 滑动窗口模型（mistral、开了 use_sliding_window 的 qwen2：cfg.layer_windows）是模型自己的注意力规则，不是驱逐策略：
@@ -46,8 +51,10 @@ step13 加的非前缀复用：add_request(request, chunks=[(start, end), ...]) 
 后三种在请求被接纳、拿到块之后（调度器的 on_admit → _prefill_chunks）一次做完提示词前 n − 1 个 token 的 prefill：
 每段查块缓存（没有就单独算一遍、存进去），按模式拼、转位置、选择性重算，结果写进请求自己的块；最后一个提示词 token
 照常进这一步的前向、采样出第一个 token。段在这期间被持有（引用计数），不会被驱逐；它的块没人用时与前缀缓存的块排在
-同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它），StepStats 的 token 数
-只数普通前向的。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
+同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它）；它算掉的 token
+（单独算的段 + 重算的 + 检查段，折算成走完全部层的）记在 BlendStepStats.blend_tokens，也算进这一步的 token 预算
+（scheduler.py）：一步里拼段的 prefill 与前向加起来不超过 max_num_batched_tokens，正在 decode 的请求不会被几个同时接纳的
+拼段请求卡住。拼段出错（它的段、它的前向）只结束那一个请求。与驱逐策略（K/V 的去留另有规则）、prompt logprobs（拼段的 prefill
 不出提示词位置的 logits）不能同时用。
 """
 from collections import deque
@@ -62,211 +69,25 @@ from common.stats import STEP_STATS_KEPT, EngineStats, StepStats, collect_stats,
 from step02_sampling.sampler import make_generator
 from step04_static_batching.request import Request
 
-from .blend import ALL_MODES, BLEND_MODES, blend_prefill, check_chunks, check_model, check_ratio, reuse_chunks
+from .blend import BLEND_MODES, blend_cost, blend_prefill, check_chunks, check_model, reuse_chunks, reuse_cost
 from .block_manager import BlockManager
 from .chunk_cache import ChunkStore, write_kv
+from .config import SCORED_POLICIES, EngineConfig
 from .eviction import kept_slots, rotation_deltas
-from .kv_cache import ATTENTION_CHOICES, PagedKVCache
+from .kv_cache import PagedKVCache
 from .proposer import DraftModelProposer, NgramProposer, Proposal, Proposer
-from .quant import KV_DTYPE_CHOICES, kv_format
+from .quant import kv_format
 from .rejection_sampler import verify
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Logprob, RequestOutput, Sequence
 from .swap import SwapSpace
 
-DEFAULT_KV_MIB = 256               # 不给 --num-blocks 时，池子按这么大的 KV 预算换算块数
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256   # 一次前向最多算多少个 token（取值见 docs/07 的预算扫描）
-PREEMPT_CHOICES = ("recompute", "swap")
-SPEC_METHODS = ("none", "ngram", "draft")
 # 按请求关掉投机：一个请求最近 SPEC_WINDOW 次验证的平均接受率低于 SPEC_MIN_ACCEPTANCE，就有 SPEC_PAUSE_STEPS 步
 # 不猜（照常 decode），然后重新试。验证 k 个猜测要花 c(k) 次 decode 的时间，划算要 接受率 > (c(k) − 1) / k：
 # 空闲的 2 核 CPU 上 c(4) = 1.30（packed 权重；plain 时 1.84），保本点约 0.08；0.5 是有意定高的保守值（理由见 docs/09 第 10 节），换了硬件就重量 c(k)
 SPEC_WINDOW = 4
 SPEC_MIN_ACCEPTANCE = 0.5
 SPEC_PAUSE_STEPS = 16
-DEFAULT_RECOMPUTE_RATIO = 0.15   # CacheBlend / LMCache 的默认（LMCACHE_BLEND_RECOMPUTE_RATIOS=0.15）
-KV_POLICIES = ("full", "window", "sinks", "h2o", "snapkv")
-KV_POSITIONS = ("cache", "text")
-DEFAULT_NUM_SINKS = 4            # StreamingLLM：4 个开头的 token 就够接住多余的注意力
-DEFAULT_SNAPKV_WINDOW = 32       # SnapKV 的观察窗口（论文与参考代码的默认）
-DEFAULT_SNAPKV_POOL = 7          # SnapKV 投票的一维最大池化核（参考代码的默认）
-
-
-@dataclass
-class EngineConfig:
-    # 带 help 的字段是 run.py 的命令行参数（common/cli.py 的 add_config_args 按 metadata 生成）
-    num_blocks: int = field(metadata={
-        "group": "分页与调度",
-        "help": f"池子的块数；默认按 {DEFAULT_KV_MIB} MiB 的 KV 预算换算（SmolLM2 float32、块大小 16 时为 364 块）"})
-    block_size: int = field(default=16, metadata={"group": "分页与调度", "help": "每块多少个 token（默认 16，同 vLLM）"})
-    max_batch_size: int = field(default=8, metadata={"group": "分页与调度", "help": "运行集合最多几个请求（默认 8）"})
-    max_num_batched_tokens: int = field(   # 一次前向的 token 预算（vLLM 的同名参数）
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        metadata={"group": "分块 prefill", "help": "一次前向最多算多少个 token（decode 各 1 个，剩下的给 prefill 的块；"
-                                                   f"默认 {DEFAULT_MAX_NUM_BATCHED_TOKENS}），不能小于 --max-batch-size"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "group": "前缀缓存", "flag": "--no-prefix-cache",
-        "help": "关掉前缀缓存（同样的输出；再加 --no-chunked-prefill 就是 step05 的引擎：同样的前向次数）"})
-    kv_dtype: Optional[str] = field(   # None = 模型的 dtype（精确）；"int8" / "fp8" / 另一种浮点
-        default=None, metadata={"group": "KV 量化与换出", "choices": KV_DTYPE_CHOICES,
-                                "help": "KV 池子的存法（默认：模型的 dtype，精确）；int8 / fp8 每个 (token, 头) 一个 scale"})
-    preempt: str = field(default="recompute", metadata={   # "swap"：抢占时换出到第二层
-        "group": "KV 量化与换出", "choices": PREEMPT_CHOICES,
-        "help": "池子满了怎么让出块：recompute（扔掉 KV、之后重算）或 swap（换出到 CPU 内存、之后换回）"})
-    swap_blocks: Optional[int] = None   # 第二层的块数；None = 与池子一样多
-    attention: str = field(default="paged", metadata={   # 读池子的注意力
-        "group": "分页与调度", "choices": ATTENTION_CHOICES,
-        "help": "读 KV 池子的注意力：paged（默认）按块表直接读、不拷贝；gather 先按块表拷成连续的再算（可读的参考）"})
-    spec_method: str = field(default="none", metadata={   # LLMEngine 的 draft_model 是草稿模型
-        "group": "投机解码", "choices": SPEC_METHODS,
-        "help": "谁来猜：ngram（prompt lookup，run.py 的默认）、draft（草稿模型）、none（不猜 = step08，EngineConfig 的默认）"})
-    num_spec_tokens: int = field(default=4, metadata={   # vLLM 的 num_speculative_tokens
-        "group": "投机解码", "help": "每步每个请求至多猜几个 token"})
-    ngram_min: int = field(default=2, metadata={   # n-gram 长度范围：vLLM 的 prompt_lookup_min / max
-        "group": "投机解码", "help": "prompt lookup 匹配的最短 n-gram"})
-    ngram_max: int = field(default=4, metadata={"group": "投机解码", "help": "prompt lookup 先试的最长 n-gram"})
-    # step12：KV 驱逐（eviction.py）。full = step09，一个槽也不扔
-    kv_policy: str = field(default="full", metadata={
-        "group": "KV 驱逐", "choices": KV_POLICIES,
-        "help": "每个请求的 KV 留哪些：full（全留 = step09）、window（最近的）、sinks（开头几个 + 最近的，StreamingLLM）、"
-                "h2o（累计注意力最多的 + 最近的）、snapkv（prefill 末尾的观察窗口投票）"})
-    kv_budget: Optional[int] = field(default=None, metadata={
-        "group": "KV 驱逐", "help": "每个请求（每层、每个 KV 头）留多少个 token 的 K/V；full 以外的策略必须给"})
-    num_sinks: Optional[int] = field(default=None, metadata={
-        "group": "KV 驱逐", "help": f"sinks：开头留几个 token（默认 {DEFAULT_NUM_SINKS}）"})
-    kv_positions: Optional[str] = field(default=None, metadata={
-        "group": "KV 驱逐", "choices": KV_POSITIONS,
-        "help": "RoPE 用的位置：cache（缓存里的槽号，StreamingLLM；window / sinks 的默认）或 text（原文里的位置；h2o / snapkv 的默认）"})
-    h2o_recent: Optional[int] = field(default=None, metadata={
-        "group": "KV 驱逐", "help": "h2o：预算里留给最近 token 的个数（默认 预算的一半）"})
-    snapkv_window: Optional[int] = field(default=None, metadata={
-        "group": "KV 驱逐", "help": f"snapkv：观察窗口（最后几个提示词 token 投票，默认 {DEFAULT_SNAPKV_WINDOW}）"})
-    snapkv_pool: Optional[int] = field(default=None, metadata={
-        "group": "KV 驱逐", "help": f"snapkv：投票的最大池化核（奇数，默认 {DEFAULT_SNAPKV_POOL}）"})
-    max_model_len: Optional[int] = field(default=None, metadata={   # vLLM 的名字
-        "group": "KV 驱逐", "help": "一个请求最多多少个 token（默认：模型的 max_position_embeddings；可以更大："
-                                   "text 位置会超出训练过的范围，cache 位置不会）"})
-    # step13：非前缀复用（blend.py）。只作用于标了段的请求
-    blend: str = field(default="none", metadata={
-        "group": "非前缀复用", "choices": ALL_MODES,
-        "help": "标了段（--doc）的请求怎么得到 K/V：none（完整 prefill，精确）、prefix（只用前缀缓存，精确）、"
-                "concat（块缓存里各段的 K/V 原样拼上）、reuse（K 转到新位置）、blend（再重算偏差最大的一部分，CacheBlend）"})
-    recompute_ratio: Optional[float] = field(default=None, metadata={
-        "group": "非前缀复用",
-        "help": f"blend：复用的 token 里重算多少比例（0..1，默认 {DEFAULT_RECOMPUTE_RATIO}；0 = reuse，1 = 完整 prefill）"})
-
-    def validate(self) -> None:
-        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
-                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.attention not in ATTENTION_CHOICES:
-            raise UserError(f"unknown --attention {self.attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
-        if self.max_num_batched_tokens < self.max_batch_size:   # 否则批满时这一步连每个 decode 一个 token 都给不起
-            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
-                            f"--max-batch-size ({self.max_batch_size})")
-        if self.preempt not in PREEMPT_CHOICES:
-            raise UserError(f"unknown --preempt {self.preempt!r} (choose from {', '.join(PREEMPT_CHOICES)})")
-        if self.swap_blocks is not None and not (isinstance(self.swap_blocks, int) and self.swap_blocks > 0):
-            raise UserError(f"swap_blocks must be a positive integer, got {self.swap_blocks!r}")
-        if self.spec_method not in SPEC_METHODS:
-            raise UserError(f"unknown --spec-method {self.spec_method!r} (choose from {', '.join(SPEC_METHODS)})")
-        if not (isinstance(self.num_spec_tokens, int) and self.num_spec_tokens >= 1):
-            raise UserError(f"--num-spec-tokens must be an integer >= 1, got {self.num_spec_tokens!r}")
-        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
-            raise UserError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min!r} and {self.ngram_max!r}")
-        self._validate_eviction()
-        self._validate_blend()
-
-    def _validate_blend(self) -> None:
-        """step13：--blend 的取值与它不能同开的东西（模型本身能不能服务在 LLMEngine 里查：blend.check_model）。"""
-        b = self.blend
-        if b not in ALL_MODES:
-            raise UserError(f"unknown --blend {b!r} (choose from {', '.join(ALL_MODES)})")
-        if self.recompute_ratio is not None:
-            if b != "blend":
-                raise UserError(f"--recompute-ratio is only used with --blend blend (got {b})")
-            check_ratio(self.recompute_ratio)
-        if b == "prefix" and not self.enable_prefix_caching:
-            raise UserError("--blend prefix needs the prefix cache (drop --no-prefix-cache)")
-        if b in BLEND_MODES and self.kv_policy != "full":   # 拼段的 prefill 一次写满整个提示词，驱逐的分块分配与压缩不管它
-            raise UserError(f"--blend {b} cannot be combined with --kv-policy {self.kv_policy} (use --kv-policy full)")
-        if b in BLEND_MODES and self.kv_dtype is not None:  # 段的 K 要在池子里转位置：码转不了
-            raise UserError(f"--blend {b} needs the model's dtype in the pool (drop --kv-dtype)")
-
-    @property
-    def ratio(self) -> float:
-        return self.recompute_ratio if self.recompute_ratio is not None else DEFAULT_RECOMPUTE_RATIO
-
-    def _validate_eviction(self) -> None:
-        """step12：每个旋钮只属于一个策略；预算至少放得下策略一定要留的 + 一块（否则每次压缩都留不下新 token）。"""
-        p = self.kv_policy
-        if p not in KV_POLICIES:
-            raise UserError(f"unknown --kv-policy {p!r} (choose from {', '.join(KV_POLICIES)})")
-        for name in ("kv_budget", "num_sinks", "h2o_recent", "snapkv_window", "snapkv_pool", "max_model_len"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, int) and v > 0):
-                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        owner = {"num_sinks": "sinks", "h2o_recent": "h2o", "snapkv_window": "snapkv", "snapkv_pool": "snapkv"}
-        for name, policy in owner.items():
-            if getattr(self, name) is not None and p != policy:
-                raise UserError(f"--{name.replace('_', '-')} is only used with --kv-policy {policy} (got {p})")
-        if self.kv_positions is not None and self.kv_positions not in KV_POSITIONS:
-            raise UserError(f"unknown --kv-positions {self.kv_positions!r} (choose from {', '.join(KV_POSITIONS)})")
-        if p == "full":
-            for name in ("kv_budget", "kv_positions"):
-                if getattr(self, name) is not None:
-                    raise UserError(f"--{name.replace('_', '-')} needs an evicting --kv-policy (got full)")
-            return
-        if self.kv_budget is None:
-            raise UserError(f"--kv-policy {p} needs --kv-budget TOKENS")
-        if self.spec_method != "none":   # 被拒绝的猜测写了槽、给槽打了分，回滚时这些都要撤销
-            raise UserError(f"--kv-policy {p} cannot be combined with --spec-method {self.spec_method} "
-                            "(use --spec-method none)")
-        if self.kv_dtype is not None:    # 打分和压缩都在原精度的池子上做
-            raise UserError(f"--kv-policy {p} needs the model's dtype in the pool (drop --kv-dtype)")
-        B, bs = self.kv_budget, self.block_size
-        if p == "sinks" and B < self.sinks + bs:
-            raise UserError(f"--kv-budget ({B}) must be at least --num-sinks ({self.sinks}) + --block-size ({bs})")
-        if p in ("window", "h2o") and B < bs:
-            raise UserError(f"--kv-budget ({B}) must be at least --block-size ({bs}) for --kv-policy {p}")
-        if p == "h2o" and not 1 <= self.recent <= B - 1:
-            raise UserError(f"--h2o-recent ({self.recent}) must be between 1 and --kv-budget - 1 ({B - 1})")
-        if p == "snapkv":
-            if B < self.obs_window + bs:
-                raise UserError(f"--kv-budget ({B}) must be at least --snapkv-window ({self.obs_window}) + "
-                                f"--block-size ({bs})")
-            if self.pool_kernel % 2 == 0:
-                raise UserError(f"--snapkv-pool must be odd, got {self.pool_kernel}")
-
-    # 策略旋钮的实际值（没给时的默认）
-    @property
-    def sinks(self) -> int:
-        return self.num_sinks if self.num_sinks is not None else DEFAULT_NUM_SINKS
-
-    @property
-    def recent(self) -> int:
-        return self.h2o_recent if self.h2o_recent is not None else (self.kv_budget or 0) // 2
-
-    @property
-    def obs_window(self) -> int:
-        return self.snapkv_window if self.snapkv_window is not None else DEFAULT_SNAPKV_WINDOW
-
-    @property
-    def pool_kernel(self) -> int:
-        return self.snapkv_pool if self.snapkv_pool is not None else DEFAULT_SNAPKV_POOL
-
-    @property
-    def positions(self) -> str:
-        """RoPE 的位置：没给时 window / sinks 用缓存里的位置（StreamingLLM），h2o / snapkv 用原文位置（它们的参考代码）。"""
-        if self.kv_positions is not None:
-            return self.kv_positions
-        return "cache" if self.kv_policy in ("window", "sinks") else "text"
-
-
-def num_blocks_for_budget(cfg, block_size: int, dtype: torch.dtype, mib: float = DEFAULT_KV_MIB,
-                          kv_dtype: Optional[str] = None) -> int:
-    """同样的 MiB 预算能放几块：每 token 字节越少（量化），块越多。"""
-    return int(mib * 2**20 // PagedKVCache.bytes_per_block(cfg, block_size, dtype, kv_format(kv_dtype, dtype)))
 
 
 def blocks_needed(r: Request, block_size: int) -> int:
@@ -292,6 +113,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[L
     chosen = lp.gather(1, ids[:, None])[:, 0].tolist()                                   # (m,)
     top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)                              # (m, k)：从大到小
     return [Logprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
+
+
+@dataclass
+class BlendStepStats(StepStats):
+    """step13：一步的账再加上接纳时拼段的 prefill 在前向之外算掉的 token（折算成走完全部层的，见 blend.blend_cost）。
+    tokens + blend_tokens 是这一步一共算了多少，不超过 max_num_batched_tokens（一步只做一个比预算还大的拼段时除外）。"""
+    blend_tokens: int = 0
 
 
 @dataclass
@@ -328,23 +156,31 @@ class LLMEngine:
         self.model, self.config = model, config
         self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)   # tokenizer：有请求带停止字符串时需要
         self.clock = clock or WallClock()
+        evicting = config.kv_policy != "full" or self.window_keep is not None
+        # 驱逐时每个请求在两次前向之间最多留的槽（snapkv 的 prefill 整个提示词都留着：None）
+        self.max_kept = (None if config.kv_policy == "snapkv" else
+                         (config.kv_budget or self.window_keep) + config.block_size - 1 if evicting else None)
+        max_blocks = (-(-(self.max_kept + config.max_num_batched_tokens) // config.block_size)
+                      if self.max_kept is not None else None)          # 再加一次前向写的：add_request 按它查池子
         # h2o / snapkv 的分数来自请求自己每个 query 的注意力：命中前缀缓存的 token 没有算过 query，分数就缺了一块，
-        # 留下哪些 token 会随缓存里碰巧有什么而变。所以这两种策略不查前缀缓存（同 prompt logprobs 的请求）
+        # 留下哪些 token 会随缓存里碰巧有什么而变。所以这些策略不查前缀缓存（同 prompt logprobs 的请求）
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
-                                          config.enable_prefix_caching and config.kv_policy not in ("h2o", "snapkv"))
+                                          config.enable_prefix_caching and config.kv_policy not in SCORED_POLICIES)
+        preempt = config.preempt or ("swap" if evicting else "recompute")   # 驱逐时默认换出（文件开头）
         try:  # 整个池子只分配一次；--num-blocks 过大时给一行 error 而不是 traceback
             self.kv_cache = PagedKVCache(model.cfg, config.num_blocks, config.block_size, model.device, model.dtype,
                                          config.attention, kv_format(config.kv_dtype, model.dtype))
             self.swap = (SwapSpace(self.kv_cache.tensors(), config.swap_blocks or config.num_blocks, block_dim=2)
-                         if config.preempt == "swap" else None)
+                         if preempt == "swap" else None)
         except (RuntimeError, MemoryError) as e:
             raise UserError(f"cannot allocate a KV pool of {config.num_blocks} blocks x {config.block_size} "
                             f"tokens: {e}") from None
         self.proposer = proposer if proposer is not None else self._make_proposer(draft_model)
-        self.kv_cache.cache_positions = config.kv_policy != "full" and config.positions == "cache"
+        if config.kv_policy != "full" and config.positions == "cache":
+            self.kv_cache.use_cache_positions()
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_batched_tokens, self.swap,
                                    on_preempt=self.proposer.free if self.proposer is not None else None,
-                                   evicting=config.kv_policy != "full" or self.window_keep is not None,
+                                   evicting=evicting, max_blocks=max_blocks, split_at_prompt=config.kv_policy == "snapkv",
                                    on_admit=self._prefill_chunks)
         if config.blend in BLEND_MODES:
             check_model(model)
@@ -378,10 +214,13 @@ class LLMEngine:
         c = self.config
         request.validate(c.max_model_len or self.model.cfg.max_position_embeddings, self.model.cfg.vocab_size)  # 空提示词、N ≤ 0、超出上下文、采样参数
         need, have = blocks_needed(request, self.config.block_size), self.config.num_blocks
-        if c.kv_policy != "full" or self.window_keep is not None:   # 驱逐时最多 预算 + 一块 − 1 个槽，加上一次前向写的；
-            # snapkv 的 decode 不驱逐；滑动窗口模型的"预算"是 最大窗口 − 1
-            cap = (c.kv_budget or self.window_keep) + c.block_size - 1 + c.max_num_batched_tokens
-            need = min(need, -(-(cap + (request.max_new_tokens if c.kv_policy == "snapkv" else 0)) // c.block_size))
+        if c.kv_policy == "snapkv":           # prefill 时留着整个提示词；压缩之后 预算 + 生成的（decode 不驱逐）
+            slots = max(len(request.prompt_ids), c.kv_budget + max(request.max_new_tokens, 1) - 1)
+            need = min(need, -(-slots // c.block_size))
+        elif self.max_kept is not None:       # 驱逐时最多 预算 + 一块 − 1 个槽，加上一次前向写的；
+            # snapkv-chunked 的 decode 不驱逐；滑动窗口模型的"预算"是 最大窗口 − 1
+            cap = self.max_kept + c.max_num_batched_tokens
+            need = min(need, -(-(cap + (request.max_new_tokens if c.kv_policy == "snapkv-chunked" else 0)) // c.block_size))
         if need > have:   # 单独一个就放不进池子的请求永远跑不完（抢占别人也腾不出更多块）
             raise UserError(f"a request needs up to {need} KV blocks of {self.config.block_size} tokens (prompt "
                             f"{len(request.prompt_ids)} + max_new_tokens {request.max_new_tokens} - 1) but the pool "
@@ -419,11 +258,19 @@ class LLMEngine:
         t0 = self.clock.now()
         self._propose()                                                      # 猜测也算在这一步的时间里
         batch = self.scheduler.schedule()
+        if batch.unschedulable is not None:   # 池子全空也接纳不了（块数的上界算少了）：以错误结束它，不让它卡住别人
+            seq = batch.unschedulable
+            self._end_early(seq, "error", UserError(
+                f"request {seq.request_id} cannot be scheduled: even an empty pool of {self.config.num_blocks} KV blocks "
+                f"cannot hold its next prefill chunk; raise --num-blocks"))
+        if not batch.seqs:                    # 这一步谁也不算（刚抢占过，或只有上面那个）：不做前向
+            outputs, self._aborted = outputs + self._aborted, []
+            return outputs
         for seq in self.scheduler.running:
             seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
         fwd = self.kv_cache.plan(batch.seqs, batch.num_new_tokens,           # 这次前向的地址信息
                                  [seq.prompt_logits for seq in batch.seqs], self._score_queries(batch))
-        prefilled = [seq for seq in batch.seqs if seq.in_prefill]           # snapkv 只在算了提示词 token 之后压缩
+        candidates = self._compaction_candidates(batch)                     # 前向之前定：要看的是这一步算了什么
         logits = self.model(fwd.input_ids, fwd.positions, fwd, logits_index=fwd.logits_index).flatten(0, 1)  # (R, V)
         new = self._postprocess(batch, logits, fwd.logits_rows, fwd.prompt_rows)
         self._record(batch, fwd, self.clock.now() - t0, new)
@@ -435,47 +282,77 @@ class LLMEngine:
                 self.scheduler.finish(seq, o.finish_reason)
                 if self.proposer is not None:
                     self.proposer.free(seq)
-        self._evict(prefilled)
+        self._evict(candidates)
         return outputs + new
 
     @torch.inference_mode()
-    def _prefill_chunks(self, seq: Sequence) -> None:
+    def _prefill_chunks(self, seq: Sequence, limit: Optional[int]) -> Optional[int]:
         """step13（调度器的 on_admit）：标了段的请求在 concat / reuse / blend 下，刚拿到块就一次做完提示词前 n − 1 个
         token 的 prefill：段的 K/V 从块缓存拿（没有就单独算、存进去），按模式拼好、修好，写进它自己的块。
-        最后一个提示词 token 留给这一步的普通前向（它本来就要重算，它的 logits 给出第一个 token）。"""
+        最后一个提示词 token 留给这一步的普通前向（它本来就要重算，它的 logits 给出第一个 token）。
+        返回算掉的 token 数（折算成走完全部层的：单独算的段 + blend_cost），调度器记进这一步的预算；
+        代价超过 limit（None = 不限）时什么也不做，返回 None。出错只结束这一个请求（还块，下一次 step() 报告），返回 0。"""
         if seq.chunks is None or self.config.blend not in BLEND_MODES or seq.num_computed_tokens:
-            return
+            return 0
         n = len(seq.request.prompt_ids) - 1
         if n <= 0 or seq.chunks[0][0] >= n:
-            return
-        token_ids = seq.request.prompt_ids[:n]
-        kv, reused, held, _ = reuse_chunks(self.model, self.chunk_store, seq.request.prompt_ids, seq.chunks,
-                                           self.config.blend, n)
+            return 0
+        c, ids = self.config, seq.request.prompt_ids
+        missing, num_reused = reuse_cost(self.chunk_store, ids, seq.chunks, n)
+        cost = missing + blend_cost(n, num_reused, c.blend, c.ratio, self.model.cfg.num_layers)
+        if limit is not None and cost > limit:
+            return None
         try:
-            res = blend_prefill(self.model, token_ids, kv, reused, self.config.blend, self.config.ratio)
-            write_kv(self.kv_cache.pool, seq.block_table, res.kv)
-        finally:
-            for e in held:                            # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以驱逐
-                self.chunk_store.release(e)
+            kv, reused, held, _ = reuse_chunks(self.model, self.chunk_store, ids, seq.chunks, c.blend, n)
+            try:
+                res = blend_prefill(self.model, ids[:n], kv, reused, c.blend, c.ratio, c.deviation)
+                write_kv(self.kv_cache.pool, seq.block_table, res.kv)
+            finally:
+                for e in held:                        # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以驱逐
+                    self.chunk_store.release(e)
+        except Exception as e:   # 只属于这个请求（它的段、它的前向）：同 _postprocess，只结束它，别的请求照常
+            self.block_manager.free_seq(seq)          # 还在等待队列里的请求 finish 不还块：这里先还
+            self._end_early(seq, "error", e)
+            return 0
         seq.num_computed_tokens, seq.approx_kv = n, True
         seq.num_reused_tokens = int((reused & ~res.selected).sum())
         seq.num_recomputed_tokens = int((reused & res.selected).sum())
+        return cost
 
     def _must_compact(self, seq: Sequence, kv_len: int) -> bool:
-        """step12：槽数到了 预算 + 一块 就压缩（多一块的余量：压缩每 block_size 个 token 才做一次）。"""
+        """step12：槽数到了 预算 + 一块 就压缩（多一块的余量：压缩每 block_size 个 token 才做一次）；
+        snapkv 只压缩一次（_compaction_candidates 只在算完提示词的那一步给它），提示词长于预算就压。"""
         c = self.config
+        if c.kv_policy == "snapkv":
+            return kv_len > c.kv_budget
         return c.kv_policy != "full" and kv_len >= c.kv_budget + c.block_size
+
+    def _compaction_candidates(self, batch: SchedulerOutput) -> Optional[list[Sequence]]:
+        """step12：这一步前向之后要看要不要压缩的请求（None = 运行中的全部：window / sinks / h2o）。
+        snapkv：这一步算到了提示词最后一个 token 的（调度器让一块停在那里）；snapkv-chunked：这一步算了提示词的。"""
+        c = self.config
+        if c.kv_policy == "snapkv":
+            return [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                    if seq.num_computed_tokens < len(seq.request.prompt_ids) == seq.num_computed_tokens + n]
+        if c.kv_policy == "snapkv-chunked":
+            return [seq for seq in batch.seqs if seq.in_prefill]
+        return None
 
     def _score_queries(self, batch: SchedulerOutput) -> Optional[list[int]]:
         """step12：每个请求这一步让最后几个 query 打分。h2o：全部 query，每一步（分数从进缓存起一直累加）；
-        snapkv：只在这一块 prefill 之后要压缩时，最后 snapkv_window 个 query 投票（投票之前清零：每次压缩只看这一块）。"""
+        snapkv：这一块里落在提示词最后 snapkv_window 个位置上的 query（一块停在提示词末尾，所以它们总是这一块的最后几个；
+        票跨块累加，提示词不长于预算就不投）；snapkv-chunked：这一块 prefill 之后要压缩时，它的最后 snapkv_window 个
+        query 投票（投票之前清零：每次压缩只看这一块）。"""
         c = self.config
-        if c.kv_policy not in ("h2o", "snapkv"):
+        if c.kv_policy not in SCORED_POLICIES:
             return None
         out = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, P = seq.num_computed_tokens, len(seq.request.prompt_ids)
             if c.kv_policy == "h2o":
                 out.append(n)
+            elif c.kv_policy == "snapkv":
+                out.append(min(n, max(0, start + n - (P - c.obs_window))) if start < P and P > c.kv_budget else 0)
             elif seq.in_prefill and self._must_compact(seq, seq.kv_len + n):
                 if seq.kv_scores is not None:
                     seq.kv_scores.zero_()
@@ -484,18 +361,18 @@ class LLMEngine:
                 out.append(0)
         return out
 
-    def _evict(self, prefilled: list[Sequence]) -> None:
-        """step12：每次前向之后，槽数到了 预算 + 一块 的运行中请求压缩到正好 预算 个槽（snapkv 只看这一步算了提示词的）。
-        先还掉整张旧块表、再分新块：旧块里登记过的前缀块进 evictable、内容不动，与别人共享的块还在别人手里，
-        新块引用计数都是 0——从不写别人的块。分不到就这次不压缩，下一次前向之后再试。"""
+    def _evict(self, candidates: Optional[list[Sequence]]) -> None:
+        """step12：每次前向之后，候选（_compaction_candidates）里槽数到了 预算 + 一块 的运行中请求压缩到正好 预算 个槽
+        （snapkv：提示词长于预算）。先还掉整张旧块表、再分新块：旧块里登记过的前缀块进 evictable、内容不动，与别人
+        共享的块还在别人手里，新块引用计数都是 0——从不写别人的块。分不到就这次不压缩，下一次前向之后再试
+        （snapkv 不查前缀缓存，块都只有它自己用，总分得到：它只压缩这一次）。"""
         c, bm = self.config, self.block_manager
         if self.window_keep is not None:
             self._drop_out_of_window()
         if c.kv_policy == "full":
             return
-        candidates = prefilled if c.kv_policy == "snapkv" else self.scheduler.running
         B = c.kv_budget
-        for seq in candidates:
+        for seq in self.scheduler.running if candidates is None else candidates:
             if seq.is_finished or seq not in self.scheduler.running or not self._must_compact(seq, seq.kv_len):
                 continue
             n = bm.blocks_for(B)
@@ -505,12 +382,12 @@ class LLMEngine:
             kv_len, L, H_kv = seq.kv_len, self.model.cfg.num_layers, self.model.cfg.num_kv_heads
             recent = c.recent if c.kv_policy == "h2o" else c.obs_window
             kept = kept_slots(c.kv_policy, kv_len, B, L, H_kv, sinks=c.sinks, recent=recent, scores=seq.kv_scores,
-                              pool_kernel=c.pool_kernel if c.kv_policy == "snapkv" else 1)   # (L, H_kv, B)
+                              pool_kernel=1 if c.kv_policy == "h2o" else c.pool_kernel)   # (L, H_kv, B)
             old = seq.block_table
             bm.free(old)
             seq.block_table = bm.allocate(n)
             self.kv_cache.compact(old, seq.block_table, kept,
-                                  rotation_deltas(kept) if self.kv_cache.cache_positions else None)
+                                  rotation_deltas(kept) if self.kv_cache.rerotates_on_compaction else None)
             if seq.kv_scores is not None:             # 分数跟着留下的槽走；之后的新槽从 0 开始
                 scores = torch.zeros(L, H_kv, n * c.block_size, device=seq.kv_scores.device)
                 scores[:, :, :B] = seq.kv_scores.gather(2, kept.to(seq.kv_scores.device))
@@ -666,10 +543,11 @@ class LLMEngine:
             seq.stall_time += seconds
         held, used = self.block_manager.usage(self.scheduler.running)
         T = fwd.input_ids.shape[1]                   # 一行 (1, T)，没有填充
-        self.step_stats.append(StepStats(
+        self.step_stats.append(BlendStepStats(
             prefill=batch.is_prefill, rows=1, width=T, tokens=T, idle_rows=0, kv_slots_held=held, kv_slots_used=used,
             seconds=seconds, gather_bytes=fwd.gather_bytes, stalled=len(stalled),
-            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running)))
+            decode_tokens=batch.num_decode_tokens, num_running=len(self.scheduler.running),
+            blend_tokens=batch.num_admit_tokens))
         self.num_steps += 1
 
     def generate(self, requests: list[Request], chunks: Optional[list] = None) -> GenerateOutput:

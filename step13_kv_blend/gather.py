@@ -20,6 +20,8 @@ step08：量化的池子（kv_cache.py 的说明）只能走这条路（C++ 内�
 
 step12：KV 驱逐之后，token t 在槽 t − num_evicted（sequence.py）。写哪个槽、读哪几块、掩码都按槽号：槽 s 的 query
 只看槽号 ≤ s 的 key；RoPE 的位置（positions）另给——text 是原文位置，cache 是槽号（kv_cache.py）。
+16 位的池子用 cache 位置时池子里存 RoPE 之前的 K（kv_cache.py 的 pre_rope）：模型交来的 q、k 没转过，attend 在
+注意力之前把 q 按它的槽号、把要看的 K 按各自的槽号转一次（eviction.rerotate，float32 里算）。
 
 step12 的滑动窗口层（mistral 之类，cfg.layer_windows）：窗口为 W 的层，query 只看原文位置在 (q − W, q] 里的 key（HF 的规则）。
 这种模型不用驱逐策略（kv_policy 只能是 full），槽里总是原文里连续的一段（token t 在槽 t − num_evicted：滑出窗口的整块
@@ -35,6 +37,7 @@ from common.kv_cache import KVCache
 from common.model import attention
 from step04_static_batching.batch import PAD_ID, attention_mask
 
+from .eviction import rerotate
 from .quant import SCALE_DTYPE, KVFormat
 
 
@@ -62,6 +65,10 @@ class AttentionMetadata(KVCache):
     # step12：滑动窗口层。windows[layer] = W 或 None（全注意力）；window_masks[W] = mask 再去掉槽号 ≤ query 槽号 − W 的 key
     windows: tuple = ()
     window_masks: Optional[dict] = None
+    # step12：池子存 RoPE 之前的 K 时（kv_cache.py 的 pre_rope）：q 与要看的 K 在注意力之前按槽号转
+    inv_freq: Optional[torch.Tensor] = None    # (D/2,)
+    query_slots: Optional[torch.Tensor] = None # (B, 1, L) 每个 query 的槽号
+    key_slots: Optional[torch.Tensor] = None   # (B, 1, L)（不读池子时）或 (1, 1, S)：每个 key 的槽号
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, H_kv, L, D) 本次的新 K/V（已做 RoPE）→ 按 slot_mapping 写进池子（只写真实 token，填充不写）。"""
@@ -107,6 +114,8 @@ class AttentionMetadata(KVCache):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """同 common/kv_cache.py 的默认 attend（写入、取回、注意力），只是滑动窗口层用它那个窗口的掩码。"""
         k, v = self.update(layer_idx, k, v)
+        if self.inv_freq is not None:                 # 池子里是 RoPE 之前的 K：按槽号各转一次
+            q, k = rerotate(q, self.query_slots, self.inv_freq), rerotate(k, self.key_slots, self.inv_freq)
         w = self.windows[layer_idx] if self.windows else None
         return attention(q, k, v, self.mask if w is None else self.window_masks[w])
 
@@ -139,14 +148,17 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
 
     logits_index = torch.tensor([L - 1], device=dev)
     quant = dict(fmt=cache.fmt, scales=cache.scales, dtype=cache.dtype)
+    rope = (dict(inv_freq=cache.inv_freq.to(dev), query_slots=slot_idx[:, None].to(dev)) if cache.pre_rope else {})
     if not any(seq.kv_len for seq in seqs):
         # 全新的 prefill：K/V 就是这次前向自己算出来的 (B, H_kv, L, D)，掩码与 step04 的左填充 prefill 相同
         mask = attention_mask(pad, 0, L)                                       # (B, 1, 1, L, L)
         # 滑动窗口：同一行里第 c 列的 key 与第 i 列的 query 槽号差 c − i（左填充对两者一样）
         win = window_masks(cache.windows, mask, col[None, :], col[:, None], dev)
+        if rope:                                                               # 要看的 K 就是这几个 query 自己的
+            rope["key_slots"] = rope["query_slots"]
         return AttentionMetadata(cache.pool, input_ids.to(dev), positions.to(dev), mask.to(dev),
                                  token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
-                                 **quant, **win)
+                                 **quant, **win, **rope)
     S = max_blocks * bs
     # 按槽号的因果掩码：槽 s 的 query 只看槽号 ≤ s 的 key。块表里还没写（或补齐出来）的槽，
     # 槽号都 > 该行任何真实 query 的槽号，自然被遮住；填充的 query 槽号为 0，只看 key 0，不会整行全遮。
@@ -173,7 +185,7 @@ def plan_segment(cache, seqs, num_new_tokens: list[int]) -> AttentionMetadata:
                              token_index.to(dev), slot_mapping.to(dev), block_tables.to(dev), logits_index,
                              read_rows=read_rows.to(dev), read_buf=read_buf,
                              v_tail_rows=tail.flatten().nonzero().squeeze(1).to(dev), scale_buf=scale_buf, **quant,
-                             **win)
+                             **win, **({**rope, "key_slots": key_pos[None, None].to(dev)} if rope else {}))
 
 
 def window_masks(windows: tuple, mask: torch.Tensor, key_slot: torch.Tensor, query_slot: torch.Tensor, dev) -> dict:

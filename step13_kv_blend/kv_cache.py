@@ -61,6 +61,9 @@ step12：KV 驱逐。一个请求在池子里占的是槽 0..kv_len−1（sequen
   加进 seq.kv_scores——代价是每层多读一遍这个请求的 K、多算一遍分数（章节量了）。
   压缩（compact）：把每层、每个头要留的槽（eviction.kept_slots）拷进新分到的块的槽 0..B−1；cache 位置时 key 顺便
   转到新槽号（eviction.rerotate）。先拷出、再写入：新块可能正是刚还掉的旧块。
+  16 位的池子（bfloat16 / float16）在 cache 位置下不这样补转：每转一次就舍入一次，挪过几百次的 key 会漂走
+  （docs/12 第 3 节量过）。它存 RoPE 之前的 K（pre_rope），模型拿到的位置全是 0（RoPE 成了恒等变换），q 和读回的 K
+  在注意力里按槽号各转一次（gather.py；StreamingLLM 自己的代码也是这样），压缩只搬、不转。
 滑动窗口模型（cfg.layer_windows）：窗口层的掩码在 gather.py，内核没有窗口，所以这种模型总走 gather。
 """
 from dataclasses import dataclass, field
@@ -93,7 +96,8 @@ class PagedKVCache:
         self.fmt, self.dtype = fmt, dtype
         self.H_kv, self.D = cfg.num_kv_heads, cfg.head_dim
         self.num_layers, self.inv_freq = cfg.num_layers, rope_inv_freq(cfg)   # step12：压缩时重新旋转 key 要用
-        self.cache_positions = False   # step12：True = RoPE 用槽号（kv_positions=cache），由引擎设定
+        self.cache_positions = False   # step12：True = RoPE 用槽号（kv_positions=cache）；引擎调用 use_cache_positions
+        self.pre_rope = False          # step12：True = 池子里存 RoPE 之前的 K，注意力读出来再按槽号转
         # 块内按头排 (H_kv, block_size, D)：同一个头、同一块的 block_size 个位置是一段连续内存，
         # 按 (请求, 头, 逻辑块) 的顺序把这些段拼起来，得到的正好是连续的 (B, H_kv, S, D)——与 step03 的缓存
         # 一样每个头一整块 S×D，注意力的矩阵乘顺序读。若按 (block_size, H_kv, D) 存，取回后还要 transpose，
@@ -107,6 +111,19 @@ class PagedKVCache:
                                   dtype=SCALE_DTYPE) if fmt is not None and fmt.scheme is not None else None)
         if attention == "paged" and torch.device(device).type == "cpu" and dtype == torch.float32:
             kernel_available()         # 第一次用时编译（或从缓存加载）内核：编译不算进第一次前向的时间
+
+    def use_cache_positions(self) -> None:
+        """step12：RoPE 用槽号（kv_positions=cache）。float32 的池子存转好的 K，压缩时挪了槽的 key 补转一次
+        （一千次补转漂约 1e-5，可以不管）；16 位的池子存 RoPE 之前的 K（见文件开头），走 gather 的读法：
+        分页内核直接拿池子里的 K 算分数，中间转不了。"""
+        self.cache_positions = True
+        if self.pool.dtype in (torch.bfloat16, torch.float16):
+            self.pre_rope, self.attention = True, "gather"
+
+    @property
+    def rerotates_on_compaction(self) -> bool:
+        """压缩时挪了槽的 key 要不要补转：cache 位置、池子里是转好的 K 时要。"""
+        return self.cache_positions and not self.pre_rope
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, fmt: Optional[KVFormat] = None) -> float:
@@ -150,8 +167,8 @@ class PagedKVCache:
             table = seq.block_table[:-(-last // bs)]
             start[i] = len(input_ids)                                  # 这个请求的 token 在行里从这里开始
             input_ids += (seq.token_ids + seq.spec_token_ids)[computed:end]        # 含猜测
-            # RoPE 的位置：原文位置（text），或写入时的槽号（cache）
-            positions += range(first, last) if self.cache_positions else range(computed, end)
+            # RoPE 的位置：原文位置（text），或写入时的槽号（cache）；池子存 RoPE 之前的 K 时全是 0（注意力里再转）
+            positions += [0] * n if self.pre_rope else range(first, last) if self.cache_positions else range(computed, end)
             slots += [table[s // bs] * bs + s % bs for s in range(first, last)]   # 槽 → 物理槽
             tables.append(table)
             seq_lens.append(last)
@@ -173,7 +190,8 @@ class PagedKVCache:
             self.pool, tensor([input_ids]), tensor([positions]), tensor(slots),
             tensor([t + [self.null_block] * (width - len(t)) for t in tables], torch.int32),   # 较短的块表用空块补齐
             tensor(seq_lens, torch.int32), tensor([num_new_tokens[i] for i in order], torch.int32),
-            tensor(logits_index), logits_rows, prompt_rows=prompt_rows)
+            tensor(logits_index), logits_rows, prompt_rows=prompt_rows,
+            inv_freq=self.inv_freq.to(dev) if self.pre_rope else None)
         if self.attention == "gather":   # 参考读法：按段 gather（gather.py）
             flat.segments = plan_segments(self, seqs, num_new_tokens)
         for i, m in enumerate(score_queries or ()):
@@ -226,6 +244,7 @@ class FlatAttentionMetadata(KVCache):
     segments: Optional[list[AttentionMetadata]] = None   # 只在 --attention gather 时有：按段读（gather.py）
     prompt_rows: Optional[list[range]] = None   # step09：与 seqs 一一对应，它这一步的提示词位置在 logits 里的行（prompt logprobs）
     scored: list["ScoreRequest"] = field(default_factory=list)   # step12：这一步要打分的请求
+    inv_freq: Optional[torch.Tensor] = None   # step12：池子存 RoPE 之前的 K 时，打分前把 q 与 K 按槽号转（pre_rope）
     mask = None                   # paged 不用掩码；gather 的掩码在每一段上
 
     @property
@@ -249,6 +268,9 @@ class FlatAttentionMetadata(KVCache):
             keys = self.pool[layer_idx, 0, r.blocks]                               # (nb, H_kv, bs, D)
             keys = keys.transpose(0, 1).flatten(1, 2)[:, :r.num_slots]             # (H_kv, nb·bs, D) -> (H_kv, S, D)
             qs = q[0, :, r.start:r.start + r.num_queries]                          # (H, n, D)
+            if self.inv_freq is not None:      # 池子里是 RoPE 之前的 K：key 在槽 0..S−1，这 n 个 query 在最后 n 个槽
+                keys = rerotate(keys, torch.arange(r.num_slots, device=keys.device), self.inv_freq)
+                qs = rerotate(qs, torch.arange(r.num_slots - r.num_queries, r.num_slots, device=qs.device), self.inv_freq)
             r.seq.kv_scores[layer_idx, :, :r.num_slots] += attention_scores(qs, keys, r.num_voters)
         return out
 

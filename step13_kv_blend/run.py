@@ -30,6 +30,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step05_paged import engine as step05  # noqa: E402
 from step06_prefix_cache import engine as step06  # noqa: E402
 from step13_kv_blend import engine as step13  # noqa: E402
+from step13_kv_blend.config import num_blocks_for_budget  # noqa: E402
 from step13_kv_blend.chunk_cache import build_prompt, split_prompt  # noqa: E402
 
 
@@ -107,7 +108,8 @@ def config_for(args, num_blocks: int, max_batch_size: int, budget: int) -> step1
         num_spec_tokens=args.num_spec_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         kv_policy=args.kv_policy, kv_budget=args.kv_budget, num_sinks=args.num_sinks, kv_positions=args.kv_positions,
         h2o_recent=args.h2o_recent, snapkv_window=args.snapkv_window, snapkv_pool=args.snapkv_pool,
-        max_model_len=args.max_model_len, blend=args.blend, recompute_ratio=args.recompute_ratio)
+        max_model_len=args.max_model_len, blend=args.blend, recompute_ratio=args.recompute_ratio,
+        deviation_on=args.deviation_on)
 
 
 def engine_for(args, s: cli.Session, num_blocks: int, max_batch_size: int, budget: int, clock=None, draft_model=None):
@@ -148,7 +150,7 @@ def main(args) -> bool:
     if args.prompt is None:
         from step13_kv_blend.chapter import Chapter
         return Chapter(args, s).run()
-    num_blocks = args.num_blocks or step13.num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
+    num_blocks = args.num_blocks or num_blocks_for_budget(s.cfg, args.block_size, s.dtype, kv_dtype=args.kv_dtype)
     draft = cli.open_session(args.draft_model, s.device, s.dtype_name, args.linear).model if spec_method(args) == "draft" else None
     engine = engine_for(args, s, num_blocks, args.max_batch_size, args.max_num_batched_tokens, draft_model=draft)
     compiled_decode.compile_if_asked(args, engine)

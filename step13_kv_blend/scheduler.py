@@ -19,16 +19,23 @@ step12 的 KV 驱逐（evicting=True：策略不是 full）：块数都按槽（
 全部的块——那样驱逐就白做了——接纳时只分第一块 prefill 要写的槽，之后每一块 prefill 与 decode 一样，算之前把块表
 补到覆盖它要写的槽（_grow），池子空了抢占最新的请求；拿到的块不够一整块 prefill 时这一块就少算几个 token。
 换出保留它的槽、num_evicted 和分数；重算把它们清零（block_manager.free_seq），重新 prefill 时策略一块一块地重新作用。
+命中前缀缓存时，命中的前缀加第一块 prefill 不超过 max_blocks 块（add_request 按预算检查过的、一个请求一次前向最多
+占的块数）：命中得更多时只用前面几块、其余照常重算——否则池子再空也接纳不了它。snapkv（split_at_prompt）：prefill 的
+一块不跨过提示词的末尾——它在那里投票、压缩一次，被重算的请求也在同一处压缩。
+运行集合空着（池子里没人持有块）队头也接纳不了的请求永远跑不了：schedule 把它交给引擎（unschedulable），引擎结束它。
 evicting=False 时与 step09 逐行相同。
 
 step13：on_admit（引擎给的）在请求拿到块之后调用：标了段、走块缓存的请求在这里一次做完拼段的 prefill（blend.py），
 num_computed_tokens 跳到 提示词长 − 1，这一步只再排它的最后一个提示词 token（普通的前向，采样出第一个 token）。
+拼段的 prefill 算掉的 token（折算成走完全部层的，引擎报回来）记在这一步的预算里，与前向里的 token 一起不超过
+max_num_batched_tokens：放不下就还块、留在队头等下一步。拼段的 prefill 分不开，比整个预算还大的那种只在
+这一步什么别的都没排时接纳（一步只做它；先来先服务，后面的请求跟着等）。
 """
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixMatch
 from .sequence import Sequence, SequenceStatus
 from .swap import SwapSpace
 
@@ -39,15 +46,22 @@ class SchedulerOutput:
     num_new_tokens: list[int]     # 与 seqs 一一对应：这一步算几个 token
     is_prefill: bool              # 这一步有没有算 prefill（或被抢占后重算）的 token
     num_decode_tokens: int        # 其中 decode 的 token 数（已经在 decode 的请求各 1 个，加上它们要验证的猜测）
+    num_admit_tokens: int = 0     # step13：接纳时拼段的 prefill 在前向之外算掉的 token（折算，不在 num_new_tokens 里）
+    unschedulable: Optional[Sequence] = None   # 池子全空也接纳不了的队头：引擎以错误结束它
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
                  swap: Optional[SwapSpace] = None, on_preempt: Optional[Callable[[Sequence], None]] = None,
-                 evicting: bool = False, on_admit: Optional[Callable[[Sequence], None]] = None):
+                 evicting: bool = False, max_blocks: Optional[int] = None, split_at_prompt: bool = False,
+                 on_admit: Optional[Callable[[Sequence, Optional[int]], Optional[int]]] = None):
         self.block_manager = block_manager
-        self.on_admit = on_admit                              # step13：请求拿到块之后、排进这一步之前调用（引擎：拼段的 prefill）
+        # step13：请求拿到块之后、排进这一步之前调用（引擎：拼段的 prefill）：on_admit(seq, 上限) → 算掉的 token 数；
+        # 代价超过上限（None = 不限）时什么也不做、返回 None
+        self.on_admit = on_admit
         self.evicting = evicting                              # step12：有驱逐策略时块边算边分（见文件开头）
+        self.max_blocks = max_blocks                          # step12：接纳时命中 + 第一块最多占几块（None = 不限）
+        self.split_at_prompt = split_at_prompt                # step12 snapkv：prefill 的一块不跨过提示词的末尾
         self.swap = swap                                      # None = --preempt recompute
         self.on_preempt = on_preempt                          # 请求被抢占时调用（引擎：提议者丢掉为它存的状态）
         self.max_batch_size = max_batch_size                  # 运行集合最多几个请求（= decode 的批大小上限）
@@ -72,18 +86,33 @@ class Scheduler:
         num_decode = sum(num_new)
         for seq in self.running:                                        # 2) 还没 prefill 完的，按进入的先后
             if seq.in_prefill and budget > 0:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._room(seq))
+                n = min(self._prefill_len(seq, budget), self._room(seq))
                 if n > 0:                                               # 驱逐时：块表只覆盖到 _grow 分到的槽
                     seqs.append(seq)
                     num_new.append(n)
                     budget -= n
         # 3) 接纳新请求。这一步抢占过就不接：刚腾出来的块正是被抢占的请求要的，接了新请求它下一步又会被抢占
+        admit_tokens = 0
         if budget > 0 and not preempted:
-            for seq in self._admit(budget):
+            admitted, admit_tokens = self._admit(budget)
+            # step13：拼段的 prefill 已经算掉的先扣掉。_admit 只在扣完还给它留得下 1 个时接纳它，所以先扣、后扣每个请求
+            # 分到的一样；只有"一步只做它"的那种会扣成 ≤ 0，它的最后一个 token 照样算（max(budget, 1)）
+            budget -= admit_tokens
+            for seq in admitted:
                 seqs.append(seq)
-                num_new.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+                num_new.append(self._prefill_len(seq, max(budget, 1)))
                 budget -= num_new[-1]
-        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode)
+        # 没人在跑、这一步也没抢占（池子里没人持有块）却谁也接纳不了：队头永远跑不了
+        stuck = (self.swapped or self.waiting or [None])[0] if not (seqs or preempted or self.running) else None
+        return SchedulerOutput(seqs, num_new, sum(num_new) > num_decode, num_decode, admit_tokens, stuck)
+
+    def _prefill_len(self, seq: Sequence, budget: int, computed: Optional[int] = None) -> int:
+        """这一步最多算它几个 prefill token（从第 computed 个起，默认 num_computed_tokens）：还没算的，不超过预算；
+        split_at_prompt 时不跨过提示词的末尾。"""
+        computed = seq.num_computed_tokens if computed is None else computed
+        n = min(seq.num_tokens - computed, budget)
+        prompt = len(seq.request.prompt_ids)
+        return min(n, prompt - computed) if self.split_at_prompt and computed < prompt else n
 
     def _room(self, seq: Sequence) -> int:
         """块表里还有几个空槽可写（step12 驱逐时 prefill 的一块不能超过它；不驱逐时块表早已覆盖全部 token）。"""
@@ -93,8 +122,7 @@ class Scheduler:
 
     def _slots_for(self, seq: Sequence, budget: int) -> int:
         """接纳 / 换入时块表要覆盖的槽：不驱逐时是全部 token（step09）；驱逐时只到这一步要算的那块为止。"""
-        rest = seq.num_tokens - seq.num_computed_tokens
-        return seq.kv_len + (min(rest, budget) if self.evicting else rest)
+        return seq.kv_len + (self._prefill_len(seq, budget) if self.evicting else seq.num_tokens - seq.num_computed_tokens)
 
     def _fit_spec(self, seq: Sequence, budget: int) -> int:
         """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上
@@ -108,10 +136,10 @@ class Scheduler:
         seq.trim_spec(len(seq.block_table) * bm.block_size - (seq.num_tokens - seq.num_evicted))
         return len(seq.spec_token_ids)
 
-    def _admit(self, budget: int) -> list[Sequence]:
+    def _admit(self, budget: int) -> tuple[list[Sequence], int]:
         """按先来先服务从等待队列头部接纳请求，直到批满、这一步的预算被前面接纳的用完或块不够。
-        先换入：swapped 清空之前不接纳等待中的请求。"""
-        batch, bm = [], self.block_manager
+        先换入：swapped 清空之前不接纳等待中的请求。返回接纳的请求与 on_admit 在前向之外算掉的 token 数（step13）。"""
+        batch, bm, admit_tokens = [], self.block_manager, 0
         while self.swapped and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.swapped[0]
             need = bm.blocks_for(self._slots_for(seq, budget))
@@ -127,21 +155,31 @@ class Scheduler:
             self.running.append(seq)
             batch.append(seq)
         if self.swapped:
-            return batch                      # 还有没换回来的：先不接新请求
+            return batch, admit_tokens        # 还有没换回来的：先不接新请求
         computing = set()                 # 这一批里各请求要算的第一个（以后能被命中的）满块的 key
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
             match = self.block_manager.match_prefix(seq)
+            hit = len(match.blocks) * bm.block_size
+            while self.max_blocks is not None and bm.blocks_for(hit + self._prefill_len(seq, budget, hit)) > self.max_blocks:
+                match, hit = PrefixMatch(match.blocks[:-1], None), hit - bm.block_size   # 少用一块命中，它照常重算
             if match.next_key is not None and match.next_key in computing:
                 break  # 前面有人正要算同一块：等下一步直接命中
             # 驱逐时只为第一块 prefill 分块：命中的前缀之后、这一步算得了的那些 token
-            hit = len(match.blocks) * self.block_manager.block_size
-            slots = hit + min(seq.num_tokens - hit, budget) if self.evicting else None
+            slots = hit + self._prefill_len(seq, budget, hit) if self.evicting else None
             if not self.block_manager.can_allocate_seq(seq, match, slots):
                 break  # 不跳过队头去接后面的小请求：保持先来先服务，也不会饿死长请求
             self.block_manager.allocate_seq(seq, match, slots)   # 不驱逐时块按整段 token 一次分好：prefill 到一半不会缺块
             if self.on_admit is not None:                 # step13：标了段的请求在这里算完除最后一个 token 外的 prefill
-                self.on_admit(seq)
+                # 上限：给它的最后一个 token 留 1 个；这一步还什么都没排时不设上限（拼段的 prefill 分不开）
+                spent = self.on_admit(seq, budget - 1 if budget < self.max_num_batched_tokens else None)
+                if spent is None:                         # 这一步放不下：还块（分块时驱逐掉的缓存块回不来），等下一步
+                    self.block_manager.free_seq(seq)
+                    break
+                if seq.is_finished:                       # 拼段出了错：引擎已经只结束了它（还了块，下一步报告）
+                    continue
+                budget -= spent
+                admit_tokens += spent
             budget -= seq.num_tokens - seq.num_computed_tokens
             if match.next_key is not None:
                 computing.add(match.next_key)
@@ -149,7 +187,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
-        return batch
+        return batch, admit_tokens
 
     def _grow(self) -> bool:
         """每个运行中的请求 decode 要写一个新位置：落在块表之外时先要一块；要不到就抢占最新的请求。
@@ -162,7 +200,7 @@ class Scheduler:
             seq = self.running[i]
             if seq.in_prefill:
                 if self.evicting and budget > 0:
-                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    n = self._prefill_len(seq, budget)
                     budget -= n
                     need = bm.blocks_for(seq.kv_len + n) - len(seq.block_table)
                     while need > 0 and self._room(seq) == 0 and not bm.can_allocate(1):

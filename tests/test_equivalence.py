@@ -24,6 +24,7 @@ from step06_prefix_cache import engine as step06_engine
 from step07_chunked_prefill import engine as step07_engine
 from step08_kv_quant import engine as step08_engine
 from step09_speculative import engine as step09_engine
+from step15_structured_output import engine as step15_engine
 
 blocks_needed = step05_engine.blocks_needed
 
@@ -107,6 +108,11 @@ ENGINES = [
     # 不同，同一个种子抽出的样本不同（分布相同由 tests/test_step09_speculative.py 检验）
     Engine("step09_none_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step09_engine)),
     Engine("step09_ngram_budget_16_tight_pool", step07(budget=16, max_batch_size=4, pool="tight", step=step09_engine,
+                                                       spec_method="ngram", num_spec_tokens=3, ngram_min=1),
+           sampling=False),
+    # step15：不给约束时就是 step09 的引擎
+    Engine("step15_none_budget_5_tight_pool", step07(budget=5, max_batch_size=4, pool="tight", step=step15_engine)),
+    Engine("step15_ngram_budget_16_tight_pool", step07(budget=16, max_batch_size=4, pool="tight", step=step15_engine,
                                                        spec_method="ngram", num_spec_tokens=3, ngram_min=1),
            sampling=False),
 ]

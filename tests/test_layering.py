@@ -41,3 +41,14 @@ def test_chapter_py_does_not_import_run_py():
                      if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{p.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if re.fullmatch(r"step\d\d_\w+\.run", n)]
     assert not bad, "\n".join(bad)
+
+
+def test_reference_simulation_imports_no_engine_module():
+    """step12 的 reference.py 是检查引擎的对照（掩码模拟）：与引擎共用一段代码，那一段的 bug 两边一起错、查不出来。
+    所以它不 import 任何一步的任何模块（相对 import 也不行：同一个文件夹里都是引擎），只用 common/ 与 torch。"""
+    path = ROOT / "step12_kv_eviction" / "reference.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    relative = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0]
+    bad = [f"line {line} imports {pkg}" for line, pkg in imported_packages(path) if re.match(r"step\d\d_", pkg)]
+    bad += [f"line {line}: relative import" for line in relative]
+    assert not bad, "reference.py must not import engine code:\n" + "\n".join(bad)

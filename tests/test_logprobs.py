@@ -1,8 +1,8 @@
 """logprobs：step09 / step10 的引擎（随机小模型）与 step11 的服务器（真实的 openai 客户端）。
 
 引擎：
-- 采样出的 token 的 logprob == 引擎自己那一行 logits 的 log_softmax（贪心、带惩罚的抽样都一样：原始分布）；
-  top-k 从大到小、就是那一行最大的 k 个；
+- 采样出的 token 的 logprob 与 top-k == HF transformers 对整段序列一次前向（teacher forcing）在它那个位置的
+  log_softmax（贪心、带惩罚的抽样都一样：原始分布）；top-k 从大到小、就是那一行最大的 k 个；
 - 投机解码：每个接受的猜测和奖励 token 的 logprob 用它自己那一行 verify 的 logits，与不猜时逐 token 相同；
 - prompt logprobs == step01 那样整段重算一次前向（teacher forcing）的 log_softmax，提示词被分块 prefill 切成几块、
   同一批里还有别的请求在 decode；要 prompt logprobs 的请求不读前缀缓存（要的正是那些位置的 logits）；
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserError
+from common.hf_reference import hf_logits, load_hf_model
 from conftest import make_tiny_model_dir, one_arch
 from common.weights import load_model
 from step02_sampling.sampler import SamplingParams
@@ -65,43 +66,44 @@ def run(eng, reqs):
     return [outs[rid] for rid in ids]
 
 
-def check_entry(entry, token, row: torch.Tensor, k: int):
-    """entry 是 token 在 row (V,) 上的 Logprob：数 == log_softmax，top-k 从大到小、正是最大的 k 个。"""
-    lp = torch.log_softmax(row.float(), -1)
+def check_entry(entry, token, lp: torch.Tensor, k: int):
+    """entry 是 token 在参照分布 lp (V,)（log_softmax）上的 Logprob：数对得上，top-k 从大到小、正是最大的 k 个。"""
     assert entry.token_id == token
-    assert abs(entry.logprob - float(lp[token])) <= 1e-6
+    assert abs(entry.logprob - float(lp[token])) <= TOL
     ids, vals = [i for i, _ in entry.top], [v for _, v in entry.top]
     assert len(ids) == k and vals == sorted(vals, reverse=True)
-    assert all(abs(v - float(lp[i])) <= 1e-6 for i, v in entry.top)
-    assert vals[-1] >= float(lp.topk(k).values[-1]) - 1e-6          # 没有漏掉更大的
+    assert all(abs(v - float(lp[i])) <= TOL for i, v in entry.top)
+    assert ids == lp.topk(k).indices.tolist()                       # 没有漏掉更大的
 
 
 # ---------------- 引擎 ----------------
 
-@one_arch
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """同一个随机小模型的两份：我们的（引擎用）与 HF transformers 的（参照：不是我们写的前向）。"""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("lp"), "llama")
+    return load_model(path, "cpu", torch.float32), load_hf_model(path, "cpu", torch.float32)
+
+
 @pytest.mark.parametrize("step", [step09, step10], ids=["step09", "step10"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_sampled_token_logprob_is_the_log_softmax_of_its_logits_row(tiny, step, params):
-    eng = make(step, tiny.model, max_num_batched_tokens=16)
-    steps = capture_rows(eng)
+def test_sampled_token_logprob_equals_a_teacher_forced_hf_forward(hf_tiny, step, params):
+    """三个请求一起跑（预算 16：长提示词分块 prefill，同一步里别人在 decode）。第 j 个新 token 的 logprob 与 top-k
+    的参照是 HF 对"提示词 + 全部输出"整段一次前向的第 len(提示词) − 1 + j 行的 log_softmax（原始分布，与惩罚、温度无关）：
+    引擎取错一行（差一个位置、别的请求的行）就对不上。"""
+    model, hf = hf_tiny
     reqs = [Request(p, 6, params, ignore_eos=True, logprobs=4) for p in prompts()]
-    outs = run(eng, reqs)
-    got = {}                                   # request_id → 第几步 → output
-    for per in outs:
-        for o in per:
-            got.setdefault(o.request_id, []).append(o)
-    checked = 0
-    for rid, per in got.items():
+    outs = run(make(step, model, max_num_batched_tokens=16), reqs)
+    for r, per in zip(reqs, outs):
         produced = [o for o in per if o.new_token_ids]
-        rows = [s[rid][0] for s in steps if rid in s and len(s[rid][0])]
-        assert len(rows) == len(produced) == 6
-        for o, r in zip(produced, rows):
-            assert len(o.logprobs) == len(o.new_token_ids) == 1 and o.prompt_logprobs is None
-            check_entry(o.logprobs[0], o.new_token_ids[0], r[0], 4)
-            checked += 1
-    assert checked == 18
+        assert len(produced) == 6 and all(len(o.logprobs) == len(o.new_token_ids) == 1 for o in produced)
+        assert all(o.prompt_logprobs is None for o in per)
+        gen = [o.new_token_ids[0] for o in produced]
+        ref = torch.log_softmax(hf_logits(hf, r.prompt_ids + gen), -1)             # (T, V)
+        for j, o in enumerate(produced):
+            check_entry(o.logprobs[0], gen[j], ref[len(r.prompt_ids) - 1 + j], 4)
     # 没要 logprobs 的请求不带
-    plain = run(make(step, tiny.model), [Request(prompts()[0], 3, params, ignore_eos=True)])[0]
+    plain = run(make(step, model), [Request(prompts()[0], 3, params, ignore_eos=True)])[0]
     assert all(o.logprobs is None and o.prompt_logprobs is None for o in plain)
 
 

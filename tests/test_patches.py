@@ -16,7 +16,7 @@ spec.loader.exec_module(make_patches)
 def test_committed_patches_match_the_step_folders():
     expected = make_patches.patches()
     assert [p.name for p in expected][:3] == ["05-06.diff", "06-07.diff", "07-08.diff"]
-    assert {"09-10.diff", "09-12.diff"} <= {p.name for p in expected}   # step12 从 step09 出发（BASE）
+    assert {"09-10.diff", "09-12.diff", "09-15.diff"} <= {p.name for p in expected}   # step12、step15 从 step09 出发（BASE）
     stale = [p.name for p, text in expected.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
     assert not stale, f"docs/patches out of date: {stale} — run `make patches`"
     committed = sorted(p.name for p in make_patches.OUT.glob("*.diff"))

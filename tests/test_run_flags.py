@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 
 STEPS = ("step05_paged", "step06_prefix_cache", "step07_chunked_prefill", "step08_kv_quant", "step09_speculative",
-         "step10_tensor_parallel", "step12_kv_eviction", "step13_kv_blend")
+         "step10_tensor_parallel", "step12_kv_eviction", "step13_kv_blend", "step14_weight_quant",
+         "step15_structured_output")
 CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py 都有
     "--block-size": 5, "--num-blocks": 5, "--max-batch-size": 5, "--attention": 5, "--compile": 5,
     "--no-prefix-cache": 6, "--n": 6, "--max-num-batched-tokens": 7, "--no-chunked-prefill": 7,
@@ -18,9 +19,20 @@ CONTRACT = {   # 参数 → 引入它的那一步；之后每一步的 run.py �
     "--kv-policy": 12, "--kv-budget": 12, "--num-sinks": 12, "--kv-positions": 12, "--h2o-recent": 12,
     "--snapkv-window": 12, "--snapkv-pool": 12, "--max-model-len": 12,
     "--blend": 13, "--recompute-ratio": 13,
+    "--weights": 14, "--activations": 14,
+    "--regex": 15, "--json-schema": 15, "--choice": 15, "--no-jump-forward": 15,
 }
 NOT_FROM = {"step12_kv_eviction": {"--tp", "--pp"},   # step12 从 step09 出发：没有 step10 的张量并行
-            "step13_kv_blend": {"--tp", "--pp"}}      # step13 从 step12 出发
+            "step13_kv_blend": {"--tp", "--pp"},      # step13 从 step12 出发
+            # step14 不是引擎：run.py 用 step09 的引擎（与 step03 的 generate）跑它的权重
+            "step14_weight_quant": {"--tp", "--pp", "--kv-policy", "--kv-budget", "--num-sinks", "--kv-positions",
+                                    "--h2o-recent", "--snapkv-window", "--snapkv-pool", "--max-model-len", "--blend",
+                                    "--recompute-ratio"},
+            # step15 从 step09 出发：没有张量并行、驱逐、块复用，也不换权重（step14 不是引擎）
+            "step15_structured_output": {"--tp", "--pp", "--kv-policy", "--kv-budget", "--num-sinks", "--kv-positions",
+                                         "--h2o-recent", "--snapkv-window", "--snapkv-pool", "--max-model-len",
+                                         "--blend", "--recompute-ratio", "--weights", "--activations"}}
+ENGINE_OF = {"step14_weight_quant": "step09_speculative"}   # 没有自己引擎的一步：参数来自哪一步的 EngineConfig
 RUN_PY_DEFAULTS = {"spec_method": None}   # run.py 改了默认值的字段：没给时按 --draft-model 推断
 
 
@@ -29,7 +41,7 @@ def flag_of(f: dataclasses.Field) -> str:
 
 
 def engine_flags(step: str) -> dict[str, dataclasses.Field]:
-    cfg = importlib.import_module(f"{step}.engine").EngineConfig
+    cfg = importlib.import_module(f"{ENGINE_OF.get(step, step)}.engine").EngineConfig
     return {flag_of(f): f for f in dataclasses.fields(cfg) if "help" in f.metadata}
 
 

@@ -6,9 +6,12 @@ include_stop_str_in_output。
   解析地算出的惩罚后分布；贪心也做；取值检查指名字段；极端但合法的值结果有限；
 - 每一步的引擎（step03–10）与 step02 的逐步生成逐 token 相同；stop_token_ids 与 min_tokens 落在分块 prefill 的边界上
   （step07 起：提示词的最后一块刚算完就采样）、落在投机解码被接受的一串猜测里（step09/10）；
+- 停止字符串与 min_tokens（vLLM 的规则：停止串要结束在前 min_tokens 个 token 的文本之后）：每一步的引擎、step02 的
+  completes_stop_string、服务器的增量解码器都与只用整段解码写出的定义相同；结束在 min_tokens 之前的不算、之后的算；
 - 真实的 openai 客户端经过 step11 服务器（流式与非流式）：每个字段的效果与引擎直接生成的相同；越界的值 400 指名字段。
 """
 import math
+import random
 from collections import Counter
 
 import openai
@@ -22,6 +25,7 @@ from step02_sampling.distribution import binned, empirical_probs, hf_filtered_pr
 from step02_sampling.engine import generate as generate02
 from step02_sampling.sampler import (LOGIT_LIMIT, SamplingParams, adjust_logits, apply_penalties, make_generator,
                                      process_logits, sample)
+from step02_sampling.stop_strings import completes_stop_string
 from step03_kvcache_single.engine import generate as generate03
 from step04_static_batching.engine import generate_batch
 from step04_static_batching.request import Request
@@ -32,6 +36,10 @@ from step08_kv_quant import engine as step08
 from step09_speculative import engine as step09
 from step09_speculative.proposer import FakeProposer
 from step10_tensor_parallel import engine as step10
+from step11_serving.detokenizer import IncrementalDetokenizer
+from step15_structured_output import engine as step15
+from test_step05_paged import CharTokenizer
+from test_step11_serving import tok  # noqa: F401（夹具：真实分词器）
 
 
 def random_logits(seed: int, vocab: int = 300, scale: float = 3.0) -> torch.Tensor:
@@ -152,6 +160,10 @@ def test_greedy_applies_penalties_bias_and_min_tokens():
     ("logit_bias", {0: math.nan}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {0: "1"}),
     ("logit_bias", [1, 2]), ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", True),
     ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
+    # True 是 int 的子类（True == 1）：不查类型就被当成 1 接受；字符串不查类型就在比较里抛 TypeError
+    ("top_k", True), ("seed", True), ("seed", False), ("presence_penalty", True), ("frequency_penalty", False),
+    ("repetition_penalty", True), ("temperature", True), ("top_p", True), ("min_p", False), ("temperature", "0.5"),
+    ("top_p", "0.5"),
 ])
 def test_validate_rejects_by_name(field, value):
     with pytest.raises(UserError, match=field):
@@ -211,21 +223,23 @@ def field_requests(model, eos: int) -> list[Request]:
     ]
 
 
-def step02_reference(model, reqs, eos_ids):
-    return [generate02(model, r.prompt_ids, r.max_new_tokens, r.params, eos_ids, r.ignore_eos) for r in reqs]
+def step02_reference(model, reqs, eos_ids, tokenizer=None):
+    return [generate02(model, r.prompt_ids, r.max_new_tokens, r.params, eos_ids, r.ignore_eos, r.stop, tokenizer)
+            for r in reqs]
 
 
 def paged(step, **cfg):
-    def run(model, reqs, eos_ids):
+    def run(model, reqs, eos_ids, tokenizer=None):
         return step.LLMEngine(model, step.EngineConfig(**{"num_blocks": 64, "block_size": 4, **cfg}),
-                              eos_ids=eos_ids).generate(reqs).outputs
+                              tokenizer=tokenizer, eos_ids=eos_ids).generate(reqs).outputs
     return run
 
 
-ENGINES = {
-    "step03": lambda m, reqs, eos: [generate03(m, r.prompt_ids, r.max_new_tokens, r.params, eos, r.ignore_eos)
-                                    for r in reqs],
-    "step04": lambda m, reqs, eos: generate_batch(m, reqs, 3, eos).outputs,
+ENGINES = {   # (模型, 请求, EOS, 分词器：有请求带停止字符串时要) → 每个请求的输出
+    "step03": lambda m, reqs, eos, tokenizer=None: [
+        generate03(m, r.prompt_ids, r.max_new_tokens, r.params, eos, r.ignore_eos, stop_strings=r.stop,
+                   tokenizer=tokenizer) for r in reqs],
+    "step04": lambda m, reqs, eos, tokenizer=None: generate_batch(m, reqs, 3, eos, tokenizer).outputs,
     "step05": paged(step05),
     "step06": paged(step06),
     # 预算 8：16 个 token 的提示词分两块，第二块刚算完就采样第一个 token（屏蔽、停止都落在块的边界上）
@@ -233,6 +247,7 @@ ENGINES = {
     "step08": paged(step08, max_num_batched_tokens=8),
     "step09": paged(step09, max_num_batched_tokens=8),
     "step10": paged(step10, max_num_batched_tokens=8),
+    "step15": paged(step15, max_num_batched_tokens=8),
 }
 
 
@@ -342,6 +357,93 @@ def test_min_tokens_and_penalties_inside_accepted_speculative_runs(tiny, step, m
     assert max(sizes) == 5 and eng.spec_stats.accepted == eng.spec_stats.proposed > 0   # 每个猜测都被接受
 
 
+# ---------------------------------------------------------------- 停止字符串与 min_tokens（vLLM 的规则）
+
+def stop_by_definition(tokenizer, ids: list[int], stops, min_tokens: int) -> tuple[int | None, int | None]:
+    """定义，只用整段解码：前 n 个 token 带来的文本 = 前 n' 个的整段解码，n' ≤ n 是解码不以半个字（U+FFFD）结尾的
+    最大的那个。停止串要结束在前 min_tokens 个 token 带来的文本之后才算。第一个带来了这样一个停止串的结尾的 token 是
+    第 n 个：输出停在它（含它），文本截在这些停止串里开头最早的那个之前。返回 (n, 截断处)；没有时 (None, None)。"""
+    done = [0]                                           # 前 n 个 token 带来的字符数
+    for n in range(1, len(ids) + 1):
+        t = tokenizer.decode(ids[:n])
+        done.append(done[-1] if t.endswith("\ufffd") else len(t))
+    text = tokenizer.decode(ids)
+    for n in range(min_tokens + 1, len(ids) + 1):
+        starts = [i for s in stops for i in range(len(text))
+                  if text.startswith(s, i) and done[n - 1] < i + len(s) <= done[n]]
+        if starts:
+            return n, min(starts)
+    return None, None
+
+
+def letter_stop_requests(model) -> tuple[list[int], list[Request]]:
+    """字母分词器（token i → 第 i % 26 个字母）下的贪心输出里，字母 c 出现在第 p 个和第 q 个 token（p + 1 < q）。
+    请求：min_tokens = p − 1（c 结束在之后：停在 p）、p（正好结束在第 min_tokens 个 token：不算）、q − 1（结束在前
+    min_tokens 个里：不算），后两个都接着停在 q；再加一个跨过边界的两字母停止串（开头在前、结尾在后：算）。"""
+    letters = CharTokenizer()
+    for prompt in prompts16(8):
+        plain = generate02(model, prompt, 16, SamplingParams(), ignore_eos=True)
+        text = letters.decode(plain)
+        for p in range(2, 15):
+            q = text.find(text[p - 1], p) + 1          # 第 p 个之后 c 下一次出现在第几个 token（没有：0）
+            if q > p + 1:
+                c = text[p - 1]
+                cases = [((c,), p - 1), ((c,), p), ((c,), q - 1), ((text[p - 1:p + 1],), p)]
+                return plain, [Request(prompt, 16, SamplingParams(min_tokens=m), ignore_eos=True, stop=s)
+                               for s, m in cases]
+    raise AssertionError("no greedy output repeats a letter")
+
+
+@one_arch
+@pytest.mark.parametrize("name", ["step02", *ENGINES])
+def test_stop_strings_that_end_before_min_tokens_do_not_count(tiny, name):
+    """每一步的引擎与定义相同；前 min_tokens 个 token 里结束的停止串（包括正好结束在第 min_tokens 个的）不停，
+    输出越过 min_tokens、停在后面那次（旧的做法在 min_tokens 处把整段输出重新解码、找到前面那次，恰好停在 min_tokens）。"""
+    letters = CharTokenizer()
+    plain, reqs = letter_stop_requests(tiny.model)
+    expect = []
+    for r in reqs:
+        n, _ = stop_by_definition(letters, plain, r.stop, r.params.min_tokens)
+        expect.append(plain[:n] if n else plain)
+    p, q = reqs[1].params.min_tokens, reqs[2].params.min_tokens + 1
+    assert [len(e) for e in expect] == [p, q, q, p + 1]
+    run = step02_reference if name == "step02" else ENGINES[name]
+    assert run(tiny.model, reqs, [], letters) == expect
+
+
+TEXTS = ["长城是中国古代的军事防御工程，全长两万多公里。Emoji 😀🎉 也是多字节。",
+         "The cat sat on the mat, then the cat sat on the hat.\n\n猫坐在垫子上，猫又坐在帽子上。"]
+
+
+def test_stop_strings_and_min_tokens_by_definition(tok):
+    """真实分词器（一个汉字、emoji 切成几个 token）、随机的停止串与 min_tokens：step02 的 completes_stop_string
+    （离线的引擎都用它）停在定义给出的 token；服务器的增量解码器发出的文本截在定义给出的地方，
+    一个一个 push 与一次 push 几个相同。"""
+    rng = random.Random(0)
+    earlier = 0
+    for _ in range(300):
+        ids = tok.hf(rng.choice(TEXTS), add_special_tokens=False).input_ids
+        text = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            stops.append(text[i:i + rng.randint(1, 4)])
+        m = rng.randrange(len(ids))
+        n, cut = stop_by_definition(tok, ids, stops, m)
+        earlier += any(s in tok.decode(ids[:m]) for s in stops)   # 有停止串结束在前 min_tokens 个 token 里
+        assert next((k for k in range(1, len(ids) + 1) if completes_stop_string(tok, ids[:k], stops, m)), None) == n
+        for chunk in (1, 3):
+            det, sent = IncrementalDetokenizer(tok, stops, m), ""
+            for i in range(0, len(ids), chunk):
+                sent += det.push(ids[i:i + chunk])
+                if det.stopped:
+                    break
+            else:
+                sent += det.finish()
+            assert sent == (text if n is None else text[:cut]), (stops, m, chunk)
+    assert earlier > 50
+
+
 # ---------------------------------------------------------------- 真实的 openai 客户端经过服务器
 
 @pytest.fixture(scope="module")
@@ -425,9 +527,20 @@ def test_openai_client_stop_token_ids_min_tokens_include_stop_str(served, stream
     text, _, reason = ask(server, ids, stream, **base, stop=[stop_str],
                           extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert text == full_text[:cut + len(stop_str)] and reason == "stop"
-    text, tokens, reason = ask(server, ids, stream, **base, stop=[stop_str],
-                               extra_body={"ignore_eos": True, "min_tokens": 12})
-    assert tokens == plain and text == full_text and reason == "length"
+    # 停止串与 min_tokens：字符 c 第一次出现在第 p 个 token 的文本里。min_tokens p − 1 时停在它；p（正好结束在
+    # 第 min_tokens 个 token）与 q − 1（结束在前 min_tokens 个里）时不算，接着停在第 q 个 token 里的 c。
+    # token 与离线引擎自己判断停止串时相同，文本与定义相同
+    def token_of(i: int) -> int:   # 第 i 个字符由第几个 token 带来（定义同 stop_by_definition）
+        return next(n for n in range(1, len(plain) + 1)
+                    if not s.tok.decode(plain[:n]).endswith("\ufffd") and len(s.tok.decode(plain[:n])) > i)
+    c, p, q = next((c, token_of(i), token_of(j)) for i, c in enumerate(full_text) if c != "\ufffd"
+                   for j in [full_text.find(c, i + 1)] if j > 0 and token_of(j) > token_of(i) + 1)
+    for m in (p - 1, p, q - 1):
+        n, cut = stop_by_definition(s.tok, plain, [c], m)
+        assert n == (p if m < p else q)
+        ref = engine().generate([Request(ids, 12, SamplingParams(min_tokens=m), ignore_eos=True, stop=(c,))]).outputs[0]
+        text, tokens, reason = ask(server, ids, stream, **base, stop=[c], extra_body={"ignore_eos": True, "min_tokens": m})
+        assert tokens == ref == plain[:n] and text == full_text[:cut] and reason == "stop", m
 
 
 def test_openai_client_bad_values_are_400_naming_the_field(served):

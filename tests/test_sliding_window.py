@@ -223,6 +223,23 @@ def test_step12_prefix_cache_hit_then_window(sw, hf_out):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("sw", ["mistral"], indirect=True)
+def test_step12_prefix_hit_longer_than_the_window_is_capped(sw):
+    """每层都滑动（W = 5，块 4）：一个请求两次前向之间最多留 W − 1 + 一块 − 1 = 7 个槽，每次前向 16 个：add_request
+    按 ⌈23 / 4⌉ = 6 块检查，池子就给 6 块。A（17 个 token）登记了 4 个满块，B 的前 16 个 token 与它相同：全用 16 个
+    命中的槽，第一块 prefill 要 8 块，池子再空也放不下（修之前：空批，plan 抛 ValueError）。命中的只用到 命中 + 16 ≤ 6 块
+    的那几块（8 个 token），B 的输出仍与 HF 相同，块全回来。"""
+    path, model, _ = sw
+    hf = load_hf_model(path, "cpu", torch.float32)
+    x = PROMPTS[2][:17]
+    b = x[:16] + [(11 * i) % 250 + 2 for i in range(30)]
+    engine = step12_engine(model, num_blocks=6, max_num_batched_tokens=16)
+    assert engine.generate([Request(x, 1, ignore_eos=True)]).outputs == [hf_greedy(hf, x, 1, [1], ignore_eos=True)]
+    out = engine.generate([Request(b, MAX_NEW, ignore_eos=True)])
+    assert out.outputs == [hf_greedy(hf, b, MAX_NEW, [1], ignore_eos=True)] and out.stats.cached_tokens == [8]
+    assert_all_free(engine)
+
+
 def test_step12_blocks_stay_bounded_when_every_layer_slides(sw):
     """一个 30 + 40 个 token 的请求（输出与 HF 相同）：每层都滑动时，块数不超过 (最大窗口 − 1 + 一块 − 1 + 一次前向的 token) 的块数，
     与长度无关；有一层全注意力时一块也不还（那一层要看全部 key）。"""

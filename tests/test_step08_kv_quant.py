@@ -28,7 +28,8 @@ from step08_kv_quant import run as step08_run
 from step08_kv_quant.analysis.dense_cache import QuantizedBlocks, QuantKVCache
 from step08_kv_quant.analysis.quality import first_divergence, forced_logits, pool, teacher_forced_quality
 from step08_kv_quant.analysis.swap_cost import SwapVsRecompute, crossover
-from step08_kv_quant.engine import EngineConfig, LLMEngine, num_blocks_for_budget
+from step08_kv_quant.config import num_blocks_for_budget
+from step08_kv_quant.engine import EngineConfig, LLMEngine
 from step08_kv_quant.kv_cache import PagedKVCache
 from step08_kv_quant.quant import (QMAX, SCALE_FLOOR, QuantScheme, compute_scale, dequantize, fake_quantize,
                                    kv_bytes_per_token, kv_format, quantize)

@@ -417,8 +417,8 @@ def test_tokenization_runs_off_the_event_loop(tok):
     ("/v1/chat/completions", {**CHAT, "presence_penalty": False}, "presence_penalty"),
     ("/v1/chat/completions", {**CHAT, "no_such_field": 1}, "no_such_field"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
-    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True, "per_token": True}},
+     "stream_options.per_token"),
 ])
 def test_unimplemented_fields_are_refused_by_name(server, path, body, param):
     check_refused(server, path, body, param)

@@ -528,7 +528,7 @@ def test_graceful_shutdown_frees_everything(tok):
 
 # ---------------- 引擎登记表 ----------------
 
-@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08", "step12", "step13"])
+@pytest.mark.parametrize("name", ["step05", "step06", "step07", "step08", "step12", "step13", "step15"])
 def test_every_registered_engine_builds_with_its_own_flags(name, tiny_session):
     """--engine stepNN 的参数就是那一步 EngineConfig 的字段（默认值取自 EngineConfig）；num_blocks 不给时按那一步的预算换算。"""
     import dataclasses

@@ -58,7 +58,8 @@ def test_windowed_means_and_moving_average():
 
 
 @pytest.mark.parametrize("label", ["full", "window_512", "sinks4_512_cachepos", "sinks4_512_textpos", "sinks2_64_cachepos",
-                                   "h2o_512", "snapkv_2048", "window_256_textpos", "h2o_128_cachepos"])
+                                   "h2o_512", "snapkv_2048", "snapkv-chunked_512", "window_256_textpos",
+                                   "h2o_128_cachepos"])
 def test_setting_label_round_trip(label):
     st = parse(label)
     assert st.label == label
@@ -70,7 +71,10 @@ def test_setting_label_round_trip(label):
 def test_pool_blocks_cover_budget_slack_and_one_forward():
     assert pool_blocks(Setting(), 1000, 256, 16) == 63 + 1
     assert pool_blocks(Setting("sinks", 512), 10**6, 256, 16) == -(-(512 + 15 + 256) // 16) + 1
-    assert pool_blocks(Setting("snapkv", 512), 10**6, 256, 16, new_tokens=40) == -(-(512 + 15 + 256 + 40) // 16) + 1
+    assert pool_blocks(Setting("snapkv-chunked", 512), 10**6, 256, 16, new_tokens=40) == -(-(512 + 15 + 256 + 40) // 16) + 1
+    # snapkv 在 prefill 时留着整个提示词（2,000），压缩之后 512 + 40
+    assert pool_blocks(Setting("snapkv", 512), 2040, 256, 16, new_tokens=40) == -(-2000 // 16) + 1
+    assert pool_blocks(Setting("snapkv", 512), 700, 256, 16, new_tokens=100) == -(-(512 + 100) // 16) + 1   # 压缩之后更多
     assert pool_blocks(Setting("h2o", 512), 100, 256, 16) == 7 + 1                 # 短请求：不超过它自己的 token
 
 

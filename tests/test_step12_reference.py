@@ -24,7 +24,8 @@ from conftest import make_tiny_model_dir
 from step12_kv_eviction.reference import keep_recent_and_top, keep_sinks, keep_window, simulate, snapkv_pooled
 
 POLICY_POSITIONS = [("window", "cache"), ("window", "text"), ("sinks", "cache"), ("sinks", "text"),
-                    ("h2o", "cache"), ("h2o", "text"), ("snapkv", "cache"), ("snapkv", "text")]
+                    ("h2o", "cache"), ("h2o", "text"), ("snapkv", "cache"), ("snapkv", "text"),
+                    ("snapkv-chunked", "text")]
 
 
 @pytest.fixture(scope="module")
@@ -268,17 +269,18 @@ BATCH = [ids_of(n, seed=10 + n) for n in (5, 23, 41, 60)]   # 5：只在 decode 
 # 每个策略两种位置各一次；块大小 4 / 8、paged / gather 在两种位置之间轮换（每种位置两种块大小、两种读法都有）
 ENGINE_CASES = [(p, pos) + ((4, "paged") if (i + (pos == "text")) % 2 == 0 else (8, "gather"))
                 for i, p in enumerate(("window", "sinks", "h2o", "snapkv")) for pos in ("cache", "text")]
+ENGINE_CASES += [("snapkv-chunked", "text", 4, "gather")]
 
 
 @pytest.mark.parametrize("policy,positions,bs,attention", ENGINE_CASES)
 def test_engine_equals_reference(tiny64, policy, positions, bs, attention):
-    knobs = dict(num_sinks=2) if policy == "sinks" else dict(snapkv_window=8, snapkv_pool=3) if policy == "snapkv" else {}
+    knobs = dict(num_sinks=2) if policy == "sinks" else dict(snapkv_window=8, snapkv_pool=3) if "snapkv" in policy else {}
     check_against_reference(tiny64, BATCH, 14, kv_policy=policy, kv_positions=positions, kv_budget=2 * bs + 4,
                             block_size=bs, attention=attention, **knobs)
 
 
 @pytest.mark.parametrize("preempt", ["swap", "recompute"])
-@pytest.mark.parametrize("policy,positions", [("h2o", "text"), ("sinks", "cache")])
+@pytest.mark.parametrize("policy,positions", [("h2o", "text"), ("sinks", "cache"), ("window", "cache")])
 def test_preemption_against_reference(tiny64, policy, positions, preempt):
     """小池子里抢占。换出：槽、num_evicted、分数原样回来，输出与没被抢占的模拟相同；重算：从头再 prefill
     （提示词 + 当时已有的输出，策略一块一块重新作用）——对照是以那一串为提示词的模拟。不开前缀缓存：
@@ -289,6 +291,95 @@ def test_preemption_against_reference(tiny64, policy, positions, preempt):
     assert eng.preemptions > 0
     if preempt == "recompute":
         assert any(len(lives(steps)) > 1 for *_, steps in results)
+
+
+@pytest.mark.parametrize("preempt", ["swap", "recompute"])
+def test_snapkv_preemption_against_reference(tiny64, preempt):
+    """snapkv 只压缩一次，留哪些只看整个提示词（与怎么分块无关），decode 只追加。换出：槽与票原样回来；重算：调度器让
+    重新 prefill 的一块停在原提示词的末尾，在那里重新投票、压缩一次，之后已生成的 token 照常追加。两种都等于一次
+    没被抢占、提示词一整块的模拟：每个请求的贪心 token、提示词与每一步的 logprob。"""
+    B, w, pool = 12, 8, 3
+    eng, results = run_engine(tiny64, BATCH, 24, kv_policy="snapkv", kv_budget=B, snapkv_window=w, snapkv_pool=pool,
+                              num_blocks=18, preempt=preempt, enable_prefix_caching=False)
+    assert eng.preemptions > 0 and eng.num_compactions_skipped == 0
+    if preempt == "recompute":   # 压缩过、已经生成了 token 又被重算的请求：重新 prefill 的几块在原提示词的末尾停了一下
+        assert any(n_out > 0 and len(prompt) > B for prompt, (*_, steps) in zip(BATCH, results)
+                   for n_out, _ in lives(steps)[1:])
+    for prompt, (out, plps, lps, steps) in zip(BATCH, results):
+        sim = simulate(tiny64, prompt, policy="snapkv", budget=B, snapkv_window=w, snapkv_pool=pool, block_size=4,
+                       max_new_tokens=24)
+        assert sim.num_compactions == (len(prompt) > B) and sim.selection_margin > NEAR_TIE
+        assert out == sim.output_ids
+        lp = torch.log_softmax(sim.logits.double(), dim=-1)
+        P = len(prompt)
+        want = lp[torch.arange(P - 1 + 24), torch.tensor(prompt[1:] + out)]
+        torch.testing.assert_close(torch.tensor(plps + lps, dtype=torch.float64), want, rtol=0, atol=1e-5)
+
+
+# ---- snapkv：提示词最后 w 个 token 投票（论文的规则），与直接算的比 ----
+
+def snapkv_direct_keep(model, ids: list[int], budget: int, window: int, pool: int) -> list[list[list[int]]]:
+    """不用引擎也不用 reference.py：整段提示词一次普通的前向，记下每层的 q、k（已做 RoPE，原文位置），最后 window 个
+    query 的因果注意力概率（float64，逐个 query 头）按 KV 组加起来就是票；前 P − window 个 token 的票做核 pool 的
+    最大池化（出界的不算），取最高的 budget − window 个（平局先取靠前的，用 Python 的 sorted），加上最后 window 个。
+    返回 [层][KV 头] → 留下的 token 下标（升序）。"""
+    from common.model import attention
+    qs, ks = {}, {}
+
+    class Record:
+        mask = None
+
+        def attend(self, layer_idx, q, k, v):
+            qs[layer_idx], ks[layer_idx] = q[0].double(), k[0].double()
+            return attention(q, k, v)
+    P = len(ids)
+    with torch.inference_mode():
+        model(torch.tensor([ids]), torch.arange(P)[None], Record())
+    cfg = model.cfg
+    G, D, n = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, P - window
+    out = []
+    for layer in range(cfg.num_layers):
+        heads = []
+        for g in range(cfg.num_kv_heads):
+            vote = torch.zeros(P, dtype=torch.float64)
+            for h in range(g * G, (g + 1) * G):
+                for t in range(P - window, P):
+                    vote[:t + 1] += torch.softmax(ks[layer][g, :t + 1] @ qs[layer][h, t] / math.sqrt(D), dim=0)
+            pooled = [max(vote[max(0, j - pool // 2):j + pool // 2 + 1]) for j in range(n)]
+            top = sorted(range(n), key=lambda j: (-pooled[j], j))[:budget - window]
+            heads.append(sorted(top) + list(range(n, P)))
+        out.append(heads)
+    return out
+
+
+SNAP = dict(budget=20, window=8, pool=3)   # 提示词 37、每块 16：16、16、5——最后一块比观察窗口短，投票的 query 分在两块
+
+
+def test_reference_snapkv_keeps_what_the_last_prompt_queries_vote_for(tiny64):
+    ids = ids_of(37, seed=30)
+    want = snapkv_direct_keep(tiny64, ids, **SNAP)
+    sim = simulate(tiny64, ids, policy="snapkv", budget=SNAP["budget"], snapkv_window=SNAP["window"],
+                   snapkv_pool=SNAP["pool"], block_size=4, chunk=16, max_new_tokens=3)
+    assert sim.num_compactions == 1 and sim.selection_margin > NEAR_TIE
+    got = [[sim.kept[layer, g, :37].nonzero()[:, 0].tolist() for g in range(tiny64.cfg.num_kv_heads)]
+           for layer in range(tiny64.cfg.num_layers)]
+    assert got == want
+
+
+def test_engine_snapkv_keeps_what_the_last_prompt_queries_vote_for(tiny64):
+    """引擎分三块算这个提示词，压缩一次：留下的槽（每层、每个 KV 头）就是直接算的。修之前的引擎在第二块之后就按第二块
+    自己的最后 8 个 query 压缩、最后一块再压一次：问题（最后一块）的 query 从来没投过它想要的票。"""
+    from step12_kv_eviction.engine import EngineConfig, LLMEngine
+    ids = ids_of(37, seed=30)
+    eng = LLMEngine(tiny64, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16, kv_policy="snapkv",
+                                         kv_budget=SNAP["budget"], snapkv_window=SNAP["window"],
+                                         snapkv_pool=SNAP["pool"]))
+    kept, compact = [], eng.kv_cache.compact
+    eng.kv_cache.compact = lambda old, new, k, deltas=None: kept.append(k.tolist()) or compact(old, new, k, deltas)
+    from step02_sampling.sampler import SamplingParams
+    from step04_static_batching.request import Request
+    eng.generate([Request(ids, 3, SamplingParams(), ignore_eos=True)])
+    assert kept == [snapkv_direct_keep(tiny64, ids, **SNAP)]
 
 
 @pytest.mark.parametrize("policy,knobs", [("snapkv", dict(kv_budget=40)),                      # 默认窗口 32、池化核 7

@@ -1,16 +1,23 @@
 """step13：块缓存（chunk_cache.py）与非前缀复用（blend.py）。随机小模型，几秒一个。
 
-两端的恒等式：blend 的 r = 0 与 reuse 逐位相同，r = 1 就是完整 prefill；RoPE 的再旋转与在新位置单独算相同；
-concat（位置不修）与完整 prefill 明显不同。块缓存：按 LRU 驱逐，从不驱逐正在用的段。坏输入：一行 UserError 说出字段。
+参考 K/V 来自 HF transformers（不是我们写的前向）：段单独算 = HF 在那几个位置上的前向，完整 prefill = HF 的整段前向，
+concat / reuse 的问题部分 = HF 接着拼好的缓存往下算。两端的恒等式：blend 的 r = 0 与 reuse 逐位相同，r = 1 就是完整
+prefill；中间的 r 离完整 prefill 比 reuse 近。RoPE 的再旋转与在新位置单独算相同；concat（位置不修）与完整 prefill
+明显不同。块缓存：按 LRU 驱逐，从不驱逐正在用的段，失效的段不留在表里。引擎：拼段的 prefill 记在这一步的 token 预算里，
+出错只结束那一个请求。坏输入：一行 UserError 说出字段。
 """
+import math
+
 import pytest
 import torch
 
 from common.errors import UserError
+from common.hf_reference import hf_greedy, load_hf_model
 from step04_static_batching.request import Request
-from step12_kv_eviction import engine as step12
+from step13_kv_blend import blend as blend_mod
 from step13_kv_blend import engine as step13
-from step13_kv_blend.blend import blend_prefill, check_chunks, check_model, check_ratio, chunk_kv, rerotate
+from step13_kv_blend.blend import (CHECK_LAYER, blend_prefill, check_chunks, check_model, check_ratio, chunk_kv,
+                                   rerotate)
 from step13_kv_blend.block_manager import BlockManager
 from step13_kv_blend.chunk_cache import ChunkStore, read_kv
 
@@ -24,6 +31,30 @@ def inference_mode():
         yield
 
 
+_HF: dict = {}
+
+
+def hf_of(tiny):
+    """同一个小模型的 HF transformers 版本（每个架构加载一次）。"""
+    if tiny.path not in _HF:
+        _HF[tiny.path] = load_hf_model(tiny.path, "cpu", torch.float32)
+    return _HF[tiny.path]
+
+
+def hf_forward(hf, ids, start: int = 0, past=None):
+    """HF 前向 ids（位置 start..，接在缓存 past (layers, 2, H_kv, S, D) 后面：start 必须 = S）→
+    (缓存里全部的 K/V (layers, 2, H_kv, S + n, D)，最后一个位置的 logits (V,))。"""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=hf.config)
+    if past is not None:
+        assert past.shape[3] == start
+        for layer, kv in enumerate(past):
+            cache.update(kv[0][None].clone(), kv[1][None].clone(), layer)
+    out = hf(torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None], cache=cache, use_cache=True)
+    kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+    return kv, out.logits[0, -1].float()
+
+
 def rag_prompt(vocab: int, sizes=(11, 7, 13), suffix: int = 5, seed: int = 1):
     """几段"文档" + 一个"问题"：返回 token id 与各段的 [start, end)。"""
     g = torch.Generator().manual_seed(seed)
@@ -35,32 +66,30 @@ def rag_prompt(vocab: int, sizes=(11, 7, 13), suffix: int = 5, seed: int = 1):
     return ids, chunks
 
 
-def reused_kv(model, ids, chunks, rotate: bool):
-    """每段单独算（位置 0..n−1，块缓存存的样子），放到它在提示词里的位置；rotate：K 转到新位置。"""
-    full = chunk_kv(model, ids)                                    # 只借它的形状
-    kv, reused = torch.zeros_like(full), torch.zeros(len(ids), dtype=torch.bool)
+def reused_kv(hf, ids, chunks, rotate: bool):
+    """每段单独算（HF），放到它在提示词里的位置：rotate 时就在那几个位置上算（reuse / blend 该拿到的），
+    否则在位置 0..（块缓存存的样子，concat 原样拼上的）。没有段的位置是 0。"""
+    kv, reused = None, torch.zeros(len(ids), dtype=torch.bool)
     for s, e in chunks:
-        c = chunk_kv(model, ids[s:e])                              # (layers, 2, H_kv, n, D)
-        if rotate:
-            c[:, 0] = rerotate(c[:, 0], s, model)
+        c, _ = hf_forward(hf, ids[s:e], start=s if rotate else 0)            # (layers, 2, H_kv, e − s, D)
+        if kv is None:
+            kv = torch.zeros(*c.shape[:3], len(ids), c.shape[4])
         kv[:, :, :, s:e], reused[s:e] = c, True
     return kv, reused
 
 
-def full_prefill(model, ids):
-    """完整 prefill 的 K/V（整段单独算就是完整 prefill）与最后一个位置的 logits。"""
-    x = torch.tensor([ids])
-    logits = model(x, torch.arange(len(ids))[None], last_only=True)[0, 0]
-    return chunk_kv(model, ids), logits
+def full_prefill(hf, ids):
+    """完整 prefill（HF）的 K/V 与最后一个位置的 logits。"""
+    return hf_forward(hf, ids)
 
 
 def test_rerotate_equals_rope_at_offset(tiny):
-    """同一段在位置 0 单独算、K 再转 p，与直接在 p.. 处单独算：每一层的 K 都相同（V 本来就相同）。
+    """同一段在位置 0 单独算、K 再转 p，与 HF 直接在 p.. 处算：每一层的 K 都相同（V 本来就相同）。
     RoPE 的分数只依赖相对距离，所以深层的隐藏状态也不随起点变，差别只有浮点误差。"""
     ids = list(range(3, 40))
     at0 = chunk_kv(tiny.model, ids)
     for p in (1, 17, 300):
-        at_p = chunk_kv(tiny.model, ids, start=p)
+        at_p, _ = hf_forward(hf_of(tiny), ids, start=p)
         moved = rerotate(at0[:, 0], p, tiny.model)
         dk, dv = (moved - at_p[:, 0]).abs().max().item(), (at0[:, 1] - at_p[:, 1]).abs().max().item()
         print(f"{tiny.arch} offset {p}: max |R(p)K_0 - K_p| = {dk:.2e}, max |V_0 - V_p| = {dv:.2e}")
@@ -70,38 +99,58 @@ def test_rerotate_equals_rope_at_offset(tiny):
 
 def test_blend_r0_equals_reuse_exactly(tiny):
     ids, chunks = rag_prompt(tiny.cfg.vocab_size)
-    kv, reused = reused_kv(tiny.model, ids, chunks, rotate=True)
+    kv, reused = reused_kv(hf_of(tiny), ids, chunks, rotate=True)
     a = blend_prefill(tiny.model, ids, kv, reused, "reuse")
     b = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=0.0)
-    assert b.probe_tokens == len(ids)                              # blend 照样算了检查层（然后一个也没选）
+    assert b.probe_tokens == 0                                     # 一个也不选：检查段不跑
     assert torch.equal(a.kv, b.kv) and torch.equal(a.logits, b.logits)
     assert a.recomputed_tokens == b.recomputed_tokens == 5         # 只有问题部分
+    small = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=0.03)   # 0.03 × 31 不到 1 个：也一个不选
+    assert small.probe_tokens == 0 and torch.equal(small.kv, a.kv)
+    assert blend_mod.blend_cost(len(ids), int(reused.sum()), "blend", 0.0, tiny.cfg.num_layers) == 5
 
 
 def test_blend_r1_equals_full_prefill(tiny):
     ids, chunks = rag_prompt(tiny.cfg.vocab_size)
-    kv, reused = reused_kv(tiny.model, ids, chunks, rotate=True)
-    full_kv, full_logits = full_prefill(tiny.model, ids)
+    kv, reused = reused_kv(hf_of(tiny), ids, chunks, rotate=True)
+    full_kv, full_logits = full_prefill(hf_of(tiny), ids)
     r = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=1.0)
-    assert r.recomputed_tokens == len(ids)
+    assert r.recomputed_tokens == len(ids) and r.probe_tokens == len(ids)
     print(f"{tiny.arch}: r=1 vs full: KV {(r.kv - full_kv).abs().max():.2e}, logits {(r.logits - full_logits).abs().max():.2e}")
     torch.testing.assert_close(r.kv, full_kv, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(r.logits, full_logits, rtol=1e-4, atol=1e-5)
     assert r.logits.argmax() == full_logits.argmax()
-    # 中间的 r：只重算一部分，介于两者之间；重算的 token 正是选中的那些
-    mid = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=0.5)
-    assert mid.recomputed_tokens == 5 + int(0.5 * 31)
-    assert mid.selected[-5:].all()
+
+
+def test_blend_intermediate_r_moves_toward_full_prefill(tiny):
+    """中间的 r：选中的 token 在第 0 层到检查层与完整 prefill（HF）的 K/V 相同——它们的输入只经过第 0 层的注意力，
+    而第 0 层复用的 K/V 转过位置就是精确的；这个 2 层的小模型上就是全部层。没选中的保持复用的。所以 r 越大，
+    整个请求的 K/V 离完整 prefill 越近，每一档都比 reuse 近。"""
+    hf = hf_of(tiny)
+    ids, chunks = rag_prompt(tiny.cfg.vocab_size)
+    kv, reused = reused_kv(hf, ids, chunks, rotate=True)
+    full_kv, _ = full_prefill(hf, ids)
+    L = CHECK_LAYER + 1
+    err = [(blend_prefill(tiny.model, ids, kv, reused, "reuse").kv - full_kv).norm().item()]
+    for ratio in (0.2, 0.5, 0.8):
+        res = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=ratio)
+        sel, keep = res.selected, reused & ~res.selected
+        assert sel[~reused].all() and int((sel & reused).sum()) == math.floor(ratio * int(reused.sum()))
+        torch.testing.assert_close(res.kv[:L, :, :, sel], full_kv[:L, :, :, sel], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.kv[:, :, :, keep], kv[:, :, :, keep], rtol=0, atol=0)   # 没选中的：复用的原样
+        err.append((res.kv - full_kv).norm().item())
+    print(f"{tiny.arch}: |KV - full| for reuse, r = 0.2, 0.5, 0.8: {err}")
+    assert all(a > b for a, b in zip(err, err[1:]))
 
 
 def test_reuse_and_concat_differ_from_full(tiny):
     """reuse 缺跨段注意力（第 1 层起就不同），concat 连位置也错了：都与完整 prefill 不同，concat 错得更多。
     第一段从位置 0 开始、前面没有别的：它的 K/V 与完整 prefill 的相同（这就是前缀缓存精确的原因）。"""
     ids, chunks = rag_prompt(tiny.cfg.vocab_size)
-    full_kv, full_logits = full_prefill(tiny.model, ids)
+    full_kv, full_logits = full_prefill(hf_of(tiny), ids)
     out = {}
     for mode in ("concat", "reuse"):
-        kv, reused = reused_kv(tiny.model, ids, chunks, rotate=(mode == "reuse"))
+        kv, reused = reused_kv(hf_of(tiny), ids, chunks, rotate=(mode == "reuse"))
         out[mode] = blend_prefill(tiny.model, ids, kv, reused, mode)
         s, e = chunks[0]
         torch.testing.assert_close(out[mode].kv[..., s:e, :], full_kv[..., s:e, :], rtol=1e-4, atol=1e-5)
@@ -112,15 +161,25 @@ def test_reuse_and_concat_differ_from_full(tiny):
 
 
 @one_arch
-def test_blend_selects_by_deviation(tiny):
-    """选中的是检查层偏差最大的：给一段的复用 K 故意加大误差，r 小到只选几个时选中的全在那一段。"""
+@pytest.mark.parametrize("deviation_on, layer_kv", [("k", 0), ("v", 1)])
+def test_blend_selects_by_deviation(tiny, deviation_on, layer_kv):
+    """选中的是检查层偏差最大的：给一段复用的 K（或 V）故意加大误差，按同一个比较时，r 小到只选几个时选中的全在那一段。"""
     ids, chunks = rag_prompt(tiny.cfg.vocab_size)
-    kv, reused = reused_kv(tiny.model, ids, chunks, rotate=True)
+    kv, reused = reused_kv(hf_of(tiny), ids, chunks, rotate=True)
     s, e = chunks[1]
-    kv[1, 0, :, s:e] += 5.0
-    r = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=0.2)
+    kv[CHECK_LAYER, layer_kv, :, s:e] += 5.0
+    r = blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=0.2, deviation_on=deviation_on)
     picked = r.selected[:-5].nonzero()[:, 0]
     assert len(picked) == int(0.2 * 31) and ((picked >= s) & (picked < e)).all()
+
+
+def test_blend_ratio_rounds_the_written_decimal(tiny):
+    """⌊r × 复用数⌋ 按写出来的 r 算：0.29 × 100 个复用的 token 选 29 个（二进制浮点里 0.29 * 100 = 28.999…）。"""
+    ids, chunks = rag_prompt(tiny.cfg.vocab_size, sizes=(50, 50), suffix=5)
+    kv, reused = reused_kv(hf_of(tiny), ids, chunks, rotate=True)
+    assert 0.29 * 100 < 29
+    for ratio, want in ((0.29, 29), (0.57, 57), (0.15, 15), (1.0, 100)):
+        assert blend_prefill(tiny.model, ids, kv, reused, "blend", ratio=ratio).recomputed_tokens == want + 5
 
 
 # ---- 块缓存 ----
@@ -179,6 +238,22 @@ def test_chunk_store_partly_evicted_chunk_is_freed_whole():
     bm.allocate(5)                                                  # 空块 4 个 + 驱逐 A 的最后一块
     assert store.lookup(range(10, 18)) is None                      # A 缺了一块：失效
     assert len(bm.free_blocks) == 1 and not bm.evictable            # 它剩下的那块直接回到空闲链表
+
+
+def test_chunk_store_forgets_evicted_chunks():
+    """LRU 驱逐了段的块，表里也不再留它：一直存新段（服务器一直跑），条目数不超过池子的块数，留下的段都完整。"""
+    bm, store = small_store()                                      # 6 块，每段 2 块：最多 3 段
+    for i in range(40):
+        e = store.put(range(100 + 8 * i, 108 + 8 * i), kv_of(8, i))
+        store.release(e)
+    assert len(store.entries) == 3 and all(store._valid(e) for e in store.entries.values())
+    assert {e.token_ids[0] for e in store.entries.values()} == {100 + 8 * i for i in (37, 38, 39)}   # 最近的三段
+    assert store.lookup(range(100, 108)) is None
+    store.release(store.lookup(range(412, 420)))
+    bm.allocate(6)                                                 # 请求要块把段全挤掉：下次存段时表里只剩新的那一段
+    bm.free(list(range(6)))
+    e = store.put(range(900, 904), kv_of(4, 1))
+    assert list(store.entries.values()) == [e]
 
 
 # ---- 坏输入 ----
@@ -243,14 +318,38 @@ def all_blocks_back(eng):
     assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
 
 
-def test_engine_none_and_prefix_equal_step12(tiny):
-    reqs, marks = rag_requests(tiny.cfg.vocab_size)
-    ref = step12.LLMEngine(tiny.model, step12.EngineConfig(64, 4, max_num_batched_tokens=32)).generate(reqs).outputs
-    for mode in ("none", "prefix"):
-        eng, out = run13(tiny.model, reqs, marks, blend=mode)
-        assert out == ref, mode
-        assert len(eng.chunk_store) == 0
-    eng, out = run13(tiny.model, reqs, None, blend="blend")      # 没标段的请求：照 step12
+def shared_prefix_requests(vocab: int, max_new: int = 8):
+    """四篇文档 A B C D（13、10、9、11 个 token）：请求 1 = A B C 问题，请求 2 = A C D 问题（开头同是 A），
+    请求 3 = B A C 问题（也有 A 和 C，但开头不同）。"""
+    g = torch.Generator().manual_seed(5)
+    A, B, C, D = (torch.randint(2, vocab, (n,), generator=g).tolist() for n in (13, 10, 9, 11))
+    reqs, marks = [], []
+    for docs in ((A, B, C), (A, C, D), (B, A, C)):
+        ids, chunks = [], []
+        for d in docs:
+            chunks.append((len(ids), len(ids) + len(d)))
+            ids += d
+        ids += torch.randint(2, vocab, (6,), generator=g).tolist()
+        reqs.append(Request(ids, max_new, ignore_eos=True))
+        marks.append(chunks)
+    return reqs, marks
+
+
+def test_engine_none_and_prefix_are_exact(tiny):
+    """none 与 prefix 都精确：贪心 token 与 HF transformers 的 generate 相同。prefix 真的用了前缀缓存：请求 2 命中
+    请求 1 开头那篇 A 的整块（13 个 token 里的 12 个，块大小 4），A 之后那块（A 的最后一个 token + C 的开头）不命中——
+    C 请求 1 也算过，可那时它前面是 B；请求 3 也有 A 和 C，开头不同，一块也不命中。none 一块也不读，块缓存都不碰。"""
+    reqs, marks = shared_prefix_requests(tiny.cfg.vocab_size)
+    hf = hf_of(tiny)
+    ref = [hf_greedy(hf, r.prompt_ids, r.max_new_tokens, [], ignore_eos=True) for r in reqs]
+    for mode, cached in (("none", [0, 0, 0]), ("prefix", [0, 12, 0])):
+        eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, max_batch_size=1, max_num_batched_tokens=32,
+                                                               blend=mode))
+        res = eng.generate(reqs, marks)              # 一次一个：请求 1 的块登记好了，请求 2 才来查
+        assert res.outputs == ref, mode
+        assert res.stats.cached_tokens == cached, mode
+        assert len(eng.chunk_store) == 0 and eng.chunk_store.misses == 0
+    eng, out = run13(tiny.model, reqs, None, blend="blend")      # 没标段的请求：照 step12（完整 prefill + 前缀缓存）
     assert out == ref and len(eng.chunk_store) == 0
 
 
@@ -283,8 +382,13 @@ def test_engine_blend_ends(tiny):
 @one_arch
 @pytest.mark.parametrize("mode, ratio", [("concat", None), ("reuse", None), ("blend", 0.3)])
 def test_engine_writes_the_blended_kv(tiny, mode, ratio):
-    """引擎的拼段 prefill（块缓存读出、转位置、选择性重算、写进请求的块）与直接调用 blend.py 得到的 K/V 相同：
-    第一个请求把段存进去（未命中），第二个请求换了顺序、全部命中。"""
+    """引擎的拼段 prefill 写进请求块里的 K/V，与 HF transformers 独立算出的相同（第一个请求把段存进去，第二个换了
+    顺序、全部命中）：
+    - concat / reuse：各段由 HF 单独算（concat 在位置 0..，reuse 在它在提示词里的位置），问题部分由 HF 接着这份缓存往下算；
+    - blend：2 层的模型上，选中的 token 与问题部分就是 HF 完整 prefill 的（见 test_blend_intermediate_r_moves_toward_full_prefill），
+      其余是段单独算的；选中的是检查层上 HF 完整 prefill 的 K 与段单独算的 K 差得最多的 ⌊r × 复用数⌋ 个。"""
+    assert tiny.cfg.num_layers == CHECK_LAYER + 1
+    hf = hf_of(tiny)
     reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=2)
     eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, max_num_batched_tokens=64, max_batch_size=1,
                                                            blend=mode, recompute_ratio=ratio))
@@ -293,10 +397,22 @@ def test_engine_writes_the_blended_kv(tiny, mode, ratio):
         seq = eng.seqs[rid]
         eng.step()                                               # 接纳：拼段的 prefill + 最后一个提示词 token
         n = len(req.prompt_ids) - 1
+        ids, P = req.prompt_ids[:n], chunks[-1][1]               # 段首尾相接从 0 到 P，之后是问题
         got = read_kv(eng.kv_cache.pool, seq.block_table, n)
-        kv, reused = reused_kv(tiny.model, req.prompt_ids[:n], chunks, rotate=(mode != "concat"))
-        want = blend_prefill(tiny.model, req.prompt_ids[:n], kv, reused, mode, ratio or 0.0).kv
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        alone, reused = reused_kv(hf, ids, chunks, rotate=(mode != "concat"))
+        if mode == "blend":
+            want, _ = full_prefill(hf, ids)
+            dev = ((want[CHECK_LAYER, 0] - alone[CHECK_LAYER, 0]) ** 2).sum(dim=(0, 2))     # (n,)
+            dev[~reused] = -math.inf
+            top = math.floor(ratio * int(reused.sum()))
+            order = dev.sort(descending=True)
+            assert order.values[top - 1] - order.values[top] > 1e-3 * order.values[0]   # 第 top 与 top + 1 名不打平
+            keep = reused.clone()
+            keep[order.indices[:top]] = False
+            want[:, :, :, keep] = alone[:, :, :, keep]
+        else:
+            want, _ = hf_forward(hf, ids[P:], start=P, past=alone[:, :, :, :P])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         while eng.has_unfinished_requests():
             eng.step()
     assert eng.chunk_store.hits == sum(map(len, marks)) - len({c for r, m in zip(reqs, marks) for c in
@@ -308,15 +424,170 @@ def test_engine_writes_the_blended_kv(tiny, mode, ratio):
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_engine_chunk_store_under_memory_pressure(tiny, preempt):
     """池子小：存的段被请求要的块挤掉（同一条 LRU），请求被抢占（重算时再拼一次，换出时带着拼好的 K/V），
-    输出与池子够大时相同，块一个不少地还回来。"""
+    输出与池子够大时相同，块一个不少地还回来。预算 64：一步接纳得下几个拼段的请求，池子才挤得满。"""
     reqs, marks = rag_requests(tiny.cfg.vocab_size, n_docs=6, n_req=6, max_new=24)
     _, ref = run13(tiny.model, reqs, marks, blend="reuse")
-    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(30, 4, max_batch_size=3, max_num_batched_tokens=32,
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(30, 4, max_batch_size=3, max_num_batched_tokens=64,
                                                            blend="reuse", preempt=preempt))
     res = eng.generate(reqs, marks)
     assert res.outputs == ref
     assert res.stats.preemptions > 0 and eng.block_manager.num_evictions > 0
     all_blocks_back(eng)
+
+
+def meter(monkeypatch, model) -> dict:
+    """数真正算了多少，不看引擎自己的账：单独算的段（chunk_kv）每个 token 走全部层；blend_prefill 重算的 token 走全部层、
+    检查段的 token 走前 CHECK_LAYER 层。layer_tokens 按"token × 层"数；charge 按引擎的折算（检查段 ⌈n·CHECK_LAYER / L⌉）。"""
+    L, work = model.cfg.num_layers, {"layer_tokens": 0, "charge": 0, "blends": 0}
+    chunk_kv0, blend_prefill0 = blend_mod.chunk_kv, step13.blend_prefill
+
+    def chunk_kv_counted(model, token_ids, start=0):
+        work["layer_tokens"] += L * len(token_ids)
+        work["charge"] += len(token_ids)
+        return chunk_kv0(model, token_ids, start)
+
+    def blend_prefill_counted(*args, **kwargs):
+        res = blend_prefill0(*args, **kwargs)
+        work["layer_tokens"] += L * res.recomputed_tokens + CHECK_LAYER * res.probe_tokens
+        work["charge"] += res.recomputed_tokens + -(-res.probe_tokens * CHECK_LAYER // L)
+        work["blends"] += 1
+        return res
+
+    monkeypatch.setattr(blend_mod, "chunk_kv", chunk_kv_counted)
+    monkeypatch.setattr(step13, "blend_prefill", blend_prefill_counted)
+    return work
+
+
+def metered_steps(eng, work):
+    """一步一步跑完：每一步 (这一步的 StepStats，算了多少 token × 层（前向 + 拼段），其中拼段的折算，做了几个拼段，输出)。"""
+    L = eng.model.cfg.num_layers
+    while eng.has_unfinished_requests():
+        before, steps = dict(work), eng.num_steps
+        outs = eng.step()
+        if eng.num_steps == steps:                 # 只交了 abort / 出错的结果，没有前向
+            continue
+        st = eng.step_stats[-1]
+        yield (st, L * st.tokens + work["layer_tokens"] - before["layer_tokens"], work["charge"] - before["charge"],
+               work["blends"] - before["blends"], outs)
+
+
+def warm_chunks(eng, reqs, marks):
+    for r, m in zip(reqs, marks):
+        for s, e in m:
+            eng.chunk_store.release(eng.chunk_store.put(r.prompt_ids[s:e], chunk_kv(eng.model, r.prompt_ids[s:e])))
+
+
+@one_arch
+def test_engine_blend_prefill_counts_against_the_budget(tiny, monkeypatch):
+    """几个拼段的请求在别的请求 decode 时一起到达：每一步（前向 + 接纳时拼段的 prefill）算的不超过 token 预算——
+    拼段的 prefill 一步一个地做，decode 不被几个拼段的 prefill 一起卡住。"算了多少"由 chunk_kv / blend_prefill 的调用
+    数出来（meter），引擎的账（BlendStepStats.blend_tokens）与它一致。"""
+    budget, L = 64, tiny.cfg.num_layers
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=3, max_new=4)
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(128, 4, max_num_batched_tokens=budget, blend="blend",
+                                                           recompute_ratio=0.2))
+    warm_chunks(eng, reqs, marks)                  # 每个请求只剩问题部分、选中的与检查段：一个放得进预算，三个放不进
+    work = meter(monkeypatch, tiny.model)
+    plain = eng.add_request(Request(list(range(2, 22)), 30, ignore_eos=True))
+    while not eng.seqs[plain].output_ids:
+        eng.step()
+    for r, m in zip(reqs, marks):
+        eng.add_request(r, m)
+    blend_steps = 0
+    for st, layer_tokens, charge, blends, _ in metered_steps(eng, work):
+        assert layer_tokens <= L * budget
+        assert st.blend_tokens == charge and st.tokens + st.blend_tokens <= budget
+        if blends:
+            blend_steps += 1
+            assert blends == 1 and st.decode_tokens >= 1       # 同一步里那个 decode 照常
+    assert blend_steps == 3 and work["blends"] == 3
+    all_blocks_back(eng)
+
+
+@one_arch
+def test_engine_oversized_blend_runs_alone(tiny, monkeypatch):
+    """拼段 prefill 比整个预算还大（块缓存是冷的：三段都要单独算）：它分不开，所以等到这一步什么别的都不做时才接纳
+    （先来先服务：正在 decode 的请求先做完），那一步只算它和它的最后一个提示词 token。输出与单独跑它时相同。"""
+    budget, L = 32, tiny.cfg.num_layers
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=1, max_new=4)
+    _, alone = run13(tiny.model, reqs, marks, blend="reuse")
+    eng = step13.LLMEngine(tiny.model, step13.EngineConfig(128, 4, max_num_batched_tokens=budget, blend="reuse"))
+    work = meter(monkeypatch, tiny.model)
+    plain = eng.add_request(Request(list(range(2, 22)), 12, ignore_eos=True))
+    while not eng.seqs[plain].output_ids:
+        eng.step()
+    rid = eng.add_request(reqs[0], marks[0])
+    out = []
+    for st, layer_tokens, charge, blends, outs in metered_steps(eng, work):
+        out += [t for o in outs if o.request_id == rid for t in o.new_token_ids]
+        if blends:
+            assert plain not in eng.seqs                        # decode 的请求已经做完
+            assert st.tokens == 1 and st.decode_tokens == 0 and st.blend_tokens == charge > budget
+            assert layer_tokens > L * budget
+        else:
+            assert layer_tokens <= L * budget
+    assert work["blends"] == 1 and out == alone[0]
+    all_blocks_back(eng)
+
+
+@one_arch
+@pytest.mark.parametrize("where", ["reuse_chunks", "blend_prefill", "write_kv"])
+def test_engine_blend_error_ends_only_its_request(tiny, monkeypatch, where):
+    """拼段的 prefill 出错（注入：第二个拼段请求的 reuse_chunks / blend_prefill / write_kv 抛异常）：只有它以 error 结束、
+    带着那个异常，别的请求照常生成、与没出错时相同；块一个不少地还回来，块缓存里的段没人还持有。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=3)
+    reqs, marks = reqs + [Request(list(range(2, 22)), 8, ignore_eos=True)], marks + [None]
+    cfg = step13.EngineConfig(64, 4, max_num_batched_tokens=32, blend="blend", recompute_ratio=0.3)
+    ref = step13.LLMEngine(tiny.model, cfg).generate(reqs, marks).outputs
+    eng = step13.LLMEngine(tiny.model, cfg)
+    original, calls = getattr(step13, where), []
+
+    def failing(*args, **kwargs):
+        calls.append(where)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(step13, where, failing)
+    rids = [eng.add_request(r, m) for r, m in zip(reqs, marks)]
+    got, ends = {rid: [] for rid in rids}, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                ends[o.request_id] = (o.finish_reason, o.error)
+    reason, error = ends[rids[1]]
+    assert reason == "error" and str(error) == "injected" and got[rids[1]] == []
+    for i in (0, 2, 3):
+        assert ends[rids[i]] == ("length", None) and got[rids[i]] == ref[i]
+    all_blocks_back(eng)
+    assert all(e.users == 0 for e in eng.chunk_store.entries.values())
+
+
+@one_arch
+def test_engine_deviation_on_v(tiny):
+    """--deviation-on v 传到了 blend：块缓存里一段第 1 层的 V 故意加大误差，按 V 比较时引擎选中重算的全在这一段（写进
+    请求块里的那几列 V 被新算的盖掉），按 K（默认）比较时不是。"""
+    reqs, marks = rag_requests(tiny.cfg.vocab_size, n_req=1)
+    req, chunks = reqs[0], marks[0]
+    n, (s, e) = len(req.prompt_ids) - 1, chunks[1]
+    top = math.floor(0.2 * sum(b - a for a, b in chunks))
+    replaced = {}
+    for dev in ("v", None):
+        eng = step13.LLMEngine(tiny.model, step13.EngineConfig(64, 4, max_num_batched_tokens=128, blend="blend",
+                                                               recompute_ratio=0.2, deviation_on=dev))
+        for a, b in chunks:
+            kv = chunk_kv(tiny.model, req.prompt_ids[a:b])
+            if a == s:
+                kv[CHECK_LAYER, 1] += 5.0
+                stored_v = kv[CHECK_LAYER, 1].clone()           # V 不转位置：复用的就是存着的
+            eng.chunk_store.release(eng.chunk_store.put(req.prompt_ids[a:b], kv))
+        rid = eng.add_request(req, chunks)
+        eng.step()
+        got = read_kv(eng.kv_cache.pool, eng.seqs[rid].block_table, n)
+        replaced[dev] = int(((got[CHECK_LAYER, 1, :, s:e] - stored_v).abs().amax(dim=(0, 2)) > 1.0).sum())
+    assert top <= e - s and replaced["v"] == top and replaced[None] < top
+    assert step13.EngineConfig(64, 4, blend="blend").deviation == "k"
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -326,6 +597,8 @@ def test_engine_chunk_store_under_memory_pressure(tiny, preempt):
     (dict(blend="prefix", enable_prefix_caching=False), "--blend prefix needs the prefix cache"),
     (dict(blend="concat", kv_dtype="int8"), "--blend concat needs the model's dtype"),
     (dict(blend="mix"), "unknown --blend"),
+    (dict(blend="reuse", deviation_on="v"), "--deviation-on is only used with --blend blend"),
+    (dict(blend="blend", deviation_on="q"), "unknown --deviation-on 'q'"),
 ])
 def test_engine_config_errors(cfg, match):
     with pytest.raises(UserError, match=match):
@@ -379,6 +652,7 @@ def test_run_py_generation_modes(tiny_tok_dir):
     (["--doc", "a", "--blend", "blend", "--kv-policy", "window", "--kv-budget", "32", "--spec-method", "none"], "--blend blend cannot be combined"),
     (["--doc", "a", "--blend", "blend", "--recompute-ratio", "2"], "recompute_ratio must be in"),
     (["--doc", "a", "--recompute-ratio", "0.5"], "--recompute-ratio is only used with --blend blend"),
+    (["--doc", "a", "--deviation-on", "v"], "--deviation-on is only used with --blend blend"),
     (["--doc", "a", "--chunk-sep", "#"], "either with --doc or with --chunk-sep"),
     (["--chunk-sep", "#"], "must split it into non-empty chunks"),
     (["--doc", "a", "--blend", "reuse", "--no-chunked-prefill"], "drop --no-chunked-prefill"),

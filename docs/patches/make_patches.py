@@ -3,11 +3,12 @@
     python docs/patches/make_patches.py            # 重新生成（make patches）
     python docs/patches/make_patches.py --check    # 只检查：提交的 diff 与现在的文件夹一致吗（tests/test_patches.py）
 
-diff 就是这一步的课：每个文件里只有这一步的概念带来的改动。比较的是两步文件夹里同名的 .py：引擎的五个文件按读的
+diff 就是这一步的课：每个文件里只有这一步的概念带来的改动。比较的是两步文件夹里同名的 .py：引擎的六个文件按读的
 顺序在前，其余（swap.py、quant.py……）按名字在后；run.py、chapter.py 不比（每一步的命令行与章节脚本各讲各的），
 analysis/ 也不比（每章自己的测量脚本：两章的 workload.py 同名，却是两份不同的负载）。一处修正只改了一份拷贝、
 没改下一步的，下一份 diff 里就会多出一段，一眼能看见。这一步新加的文件（例如 step08 的 quant.py）不进 diff，列在开头。
-一步通常从前一步出发；不是的在 BASE 里写明（step12 从 step09 出发：张量并行与驱逐无关），diff 就与它配对（09-12）。
+一步通常从前一步出发；不是的在 BASE 里写明（step12 从 step09 出发：张量并行与驱逐无关；step15 也从 step09 出发：
+结构化输出与并行、驱逐、块复用都无关），diff 就与它配对（09-12、09-15）。
 """
 import difflib
 import sys
@@ -15,9 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
-ENGINE_FILES = ("sequence.py", "block_manager.py", "scheduler.py", "kv_cache.py", "engine.py")
+ENGINE_FILES = ("sequence.py", "block_manager.py", "scheduler.py", "kv_cache.py", "config.py", "engine.py")
 NOT_COMPARED = ("run.py", "chapter.py")
-BASE = {"step12_kv_eviction": "step09_speculative"}   # 不是从前一步出发的步骤：文件夹 → 它出发的那一步
+BASE = {"step12_kv_eviction": "step09_speculative",   # 不是从前一步出发的步骤：文件夹 → 它出发的那一步
+        "step15_structured_output": "step09_speculative"}
 
 
 def steps() -> list[Path]:
@@ -32,7 +34,7 @@ def pairs() -> list[tuple[Path, Path]]:
 
 
 def shared(a: Path, b: Path) -> list[str]:
-    """两步文件夹里都有的 .py（run.py、chapter.py 除外）：引擎的五个文件按读的顺序在前，其余按名字。"""
+    """两步文件夹里都有的 .py（run.py、chapter.py 除外）：引擎的六个文件按读的顺序在前，其余按名字。"""
     names = {p.name for p in a.glob("*.py")} & {p.name for p in b.glob("*.py")} - set(NOT_COMPARED)
     return [n for n in ENGINE_FILES if n in names] + sorted(names - set(ENGINE_FILES))
 

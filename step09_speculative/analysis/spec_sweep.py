@@ -25,13 +25,14 @@ from step02_sampling.sampler import SamplingParams  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step08_kv_quant import engine as step08  # noqa: E402
 from step09_speculative import engine as step09  # noqa: E402
+from step09_speculative.config import DEFAULT_MAX_NUM_BATCHED_TOKENS  # noqa: E402
 from step09_speculative.analysis.workload import GROUNDED, requests as workload  # noqa: E402
 from step09_speculative.engine import SPEC_MIN_ACCEPTANCE, SpecStats, blocks_needed  # noqa: E402
 
 BLOCK_SIZE = 16
 
 
-def engine(s: cli.Session, step, num_blocks: int, batch: int, budget: int = step09.DEFAULT_MAX_NUM_BATCHED_TOKENS, **kw):
+def engine(s: cli.Session, step, num_blocks: int, batch: int, budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, **kw):
     """同 chapter.py 的 Chapter.engine：step09 的引擎（kw 给 spec_method、num_spec_tokens……）或 step=step08 的参照。"""
     config = step.EngineConfig(num_blocks, BLOCK_SIZE, batch, budget, **kw)
     return step.LLMEngine(s.model, config, s.tok, s.tok.eos_ids)
@@ -41,7 +42,7 @@ def engine(s: cli.Session, step, num_blocks: int, batch: int, budget: int = step
 def verify_costs(s: cli.Session, ks, context: int = 512, repeats: int = 10) -> dict[int, float]:
     """k → c(k)：批 1，一次前向算 1 + k 个 token ÷ 算 1 个 token（同 chapter.py 的 verify_cost 的量法，猜测内容不影响时间；
     不同的是各个 k 轮流量）。"""
-    e = engine(s, step09, (context + max(ks)) // BLOCK_SIZE + 4, 1, max(step09.DEFAULT_MAX_NUM_BATCHED_TOKENS, context),
+    e = engine(s, step09, (context + max(ks)) // BLOCK_SIZE + 4, 1, max(DEFAULT_MAX_NUM_BATCHED_TOKENS, context),
                spec_method="none")
     ids = s.tok.encode(LONG_PROMPT)
     rid = e.add_request(Request((ids * (context // len(ids) + 2))[:context], 64, SamplingParams(), ignore_eos=True))

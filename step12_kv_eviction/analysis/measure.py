@@ -27,9 +27,9 @@ class Measure:
         """比模型训练长度长的请求要 max_model_len（位置超出训练范围：只有完整运行的长文本是有意的）。"""
         return tokens if tokens > self.ch.ctx else None
 
-    def bound(self, st: Setting, new: int = 0) -> int:
-        """设计给的每个请求的块数上界：预算 + 一块余量 − 1 + 一次前向的 token（snapkv 的 decode 不驱逐，加上生成的）。"""
-        return pool_blocks(st, 10**9, self.ch.chunk, self.ch.bs, new) - 1
+    def bound(self, st: Setting, tokens: int, new: int = 0) -> int:
+        """设计给的每个请求（tokens = 提示词 + new）的块数上界（runs.pool_blocks 的，不多给那 1 块）。"""
+        return pool_blocks(st, tokens, self.ch.chunk, self.ch.bs, new) - 1
 
     # ---------- [2] 长文本 ----------
     def streams(self):
@@ -44,7 +44,7 @@ class Measure:
             run = runs[st.label] = run_one(e, stream_request(self.text, new))
             ch.done(e)
             if st.policy != "full":
-                bound_ok &= run.peak_blocks <= self.bound(st, new)
+                bound_ok &= run.peak_blocks <= self.bound(st, N + new, new)
             print(f"  {st.label:<22} {run.wall_s:7.1f} s  峰值 {run.peak_blocks} 块", flush=True)
         # 预算扫描：同一段文本的前 sweep_tokens 个 token（full 的这一段与长文本那次逐位相同：因果、同样的分块）
         M = min(p["sweep_tokens"], N)
@@ -54,7 +54,7 @@ class Measure:
                           max_model_len=self.mml(M))
             run = sweep[st.label] = run_one(e, stream_request(self.text[:M], 0))
             ch.done(e)
-            bound_ok &= run.peak_blocks <= self.bound(st)
+            bound_ok &= run.peak_blocks <= self.bound(st, M)
             print(f"  {st.label:<22} {run.wall_s:7.1f} s  峰值 {run.peak_blocks} 块（前 {M} 个 token）", flush=True)
         ch.checks["kv_blocks_bounded_by_budget"] = bound_ok
         budgets = [parse(x).budget for x in p["streams"] + p["sweep"] if x != FULL_LABEL]
@@ -108,15 +108,15 @@ class Measure:
         sinks = "sinks4_512_cachepos"
         if sinks in runs:
             self.fig["kv_bytes_ratio_sinks_vs_full"] = round(runs[sinks].peak_blocks / full.peak_blocks, 4)
-        h2o, base, snap = runs.get("h2o_512"), runs.get("sinks4_512_textpos"), runs.get("snapkv_512")
+        h2o, base, snap = runs.get("h2o_512"), runs.get("sinks4_512_textpos"), runs.get("snapkv-chunked_512")
         if h2o and base:    # 同样的预算、同样的原文位置：差别只在打分（h2o 每次前向都取概率）与挑选
             self.fig["h2o_score_overhead_prefill"] = round(h2o.prefill_s / base.prefill_s, 3)
             self.fig["h2o_score_overhead_decode"] = round(h2o.decode_step_s / base.decode_step_s, 3)
             if snap:
-                self.fig["snapkv_vote_overhead_prefill"] = round(snap.prefill_s / base.prefill_s, 3)
+                self.fig["snapkv_chunked_vote_overhead_prefill"] = round(snap.prefill_s / base.prefill_s, 3)
             print(f"取分数的代价（与 sinks4_512_textpos 比：同样的预算与位置，只差打分）：h2o prefill ×"
                   f"{self.fig['h2o_score_overhead_prefill']:.2f}，decode 一步 ×{self.fig['h2o_score_overhead_decode']:.2f}"
-                  + (f"；snapkv prefill ×{self.fig['snapkv_vote_overhead_prefill']:.2f}" if snap else ""))
+                  + (f"；snapkv-chunked prefill ×{self.fig['snapkv_chunked_vote_overhead_prefill']:.2f}" if snap else ""))
         args = ch.args
         shown = {k: v for k, v in runs.items() if k == FULL_LABEL or k.split("_")[1] == "512"}
         if getattr(args, "plot", None):
@@ -130,7 +130,9 @@ class Measure:
     def passkey(self):
         """一次 prefill（每次前向的预算 = 这个提示词的上下文长度）：整个上下文在一次前向里算完、压缩一次——SnapKV、
         PyramidKV 等论文评测的做法。问题在提示词里时它在这次前向的末尾（观察窗口里）；压缩之后才问时，上下文正好是
-        这一次前向，问题是下一次。另有一行"分块"：每次前向 --max-num-batched-tokens 个，每一块都压缩一次。"""
+        这一次前向，问题是下一次（snapkv 只在整个提示词之后压缩，问题总在它的观察窗口里：这种问法用 snapkv-chunked，
+        它在上下文那一块之后就压缩）。另有几行"分块"：每次前向 --max-num-batched-tokens 个——snapkv-chunked 每一块都
+        压缩一次；snapkv 仍是整个提示词之后压缩一次，结果应与一次 prefill 相同。"""
         ch, p, s = self.ch, self.p, self.s
         lens = p["passkey_lens"]
         q, new = len(encode(s.tok, QUESTION)), 8
@@ -162,8 +164,8 @@ class Measure:
         print(table(["设置", "问法"] + [f"{n} token" for n in lens] + ["准确率"], rows))
         print(f"上下文一次 prefill 完、压缩一次。问题在提示词里：问题在这次前向的末尾，snapkv 的观察窗口里就是它；"
               f"压缩之后才问：上下文恰好是一次前向，压缩之后问题（{q} 个 token，少于块大小 {ch.bs}，不再触发压缩）单独一次前向"
-              f"——{evicting} 次有驱逐的运行都从每一步的记录核对了这个顺序。\"每块 {ch.chunk}\"：分块 prefill，每一块之后"
-              f"都按那一块末尾的观察窗口压缩一次，问题来之前藏的数可能已经被扔了")
+              f"——{evicting} 次有驱逐的运行都从每一步的记录核对了这个顺序。\"每块 {ch.chunk}\"：分块 prefill，snapkv-chunked"
+              f"每一块之后都按那一块末尾的观察窗口压缩一次，问题来之前藏的数可能已经被扔了；snapkv 仍在整个提示词之后压缩一次")
 
     # ---------- [4] 贪心生成的第一次分歧 ----------
     def greedy(self):

@@ -19,7 +19,8 @@ FULL_LABEL = "full"
 @dataclass(frozen=True)
 class Setting:
     """一种 KV 策略的设置。label 是表格里和 figures 名字里用的名字：full、window_512、sinks4_512_cachepos、
-    sinks4_512_textpos、h2o_512、snapkv_512（位置不是该策略的默认时加 _cachepos / _textpos；sinks 总写明）。"""
+    sinks4_512_textpos、h2o_512、snapkv_512、snapkv-chunked_512（位置不是该策略的默认时加 _cachepos / _textpos；
+    sinks 总写明）。"""
     policy: str = "full"
     budget: Optional[int] = None
     positions: Optional[str] = None       # None = 策略的默认：window / sinks 用 cache，h2o / snapkv 用 text
@@ -163,9 +164,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def pool_blocks(setting: Setting, tokens: int, chunk: int, block_size: int, new_tokens: int = 0) -> int:
-    """一个请求要的最大块数：full 是全部 token；驱逐策略是 预算 + 一块的余量 + 一次前向的块（snapkv 的 decode 不驱逐，再加生成的）。
+    """一个请求（tokens = 提示词 + new_tokens）要的最大块数：full 是全部 token；snapkv 在 prefill 时留着整个提示词，
+    压缩之后 预算 + 生成的；其余驱逐策略是 预算 + 一块的余量 + 一次前向的块（snapkv-chunked 的 decode 不驱逐，再加生成的）。
     多给 1 块。"""
     if setting.policy == "full":
         return blocks_for(tokens, block_size) + 1
-    slots = setting.budget + block_size - 1 + chunk + (new_tokens if setting.policy == "snapkv" else 0)
+    if setting.policy == "snapkv":
+        slots = max(tokens - new_tokens, setting.budget + new_tokens)
+    else:
+        slots = setting.budget + block_size - 1 + chunk + (new_tokens if setting.policy == "snapkv-chunked" else 0)
     return blocks_for(min(slots, tokens), block_size) + 1

