@@ -640,6 +640,38 @@ def offline(s, ids: list[int], engines: list[str], steps: int, split_steps: int)
             "bare_tokens": bare.tokens}
 
 
+def report_server(s, off: dict, server_engine: str, ids: list[int], N: int, repeats: int, cli: bool):
+    """第 3 部分：跑、打印；返回 (srv, cli_srv)。"""
+    srv = server_runs(s, server_engine, ids, N, ["process", "thread"], repeats)
+    print(f"\n[3] 经过服务器（本进程，{server_engine} 的引擎，/v1/completions 流式，{N} 个 token，每种状态、每种客户端 "
+          f"{repeats} 个请求取中位数；引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}）。"
+          "\"直接跑\"= 同一个引擎在它自己的线程里直接跑同一个请求（两次请求之间，服务器空着）：")
+    rows = []
+    for mode, by in srv["modes"].items():
+        d = by["direct"]
+        rows.append([SERVER_MODES[mode], "（直接跑）", ms(d["engine_step"]), "-", ms(d["engine_step"]), *["-"] * 4,
+                     ms(d["forward"]), "-", "-", "-", f"{d['switches_per_token']:.0f}", "1.00"])
+        for where in ("process", "thread"):
+            r = by[where]
+            rows.append([SERVER_MODES[mode], "另一个进程" if where == "process" else "本进程的线程", ms(r["itl"]),
+                         ms(r["cycle"]), *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["thread_cpu"]),
+                         ms(r["sse"]), ms(r["net"]), f"{r['switches_per_token']:.0f}",
+                         f"{r['itl'] / d['engine_step']:.2f}"])
+    print(table(["状态", "客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向",
+                 "引擎线程的 CPU", "分发完→SSE 发出", "发出→客户端收到", "自愿切换/token", "÷ 直接跑的一步"], rows))
+    cli_srv = None
+    if cli:
+        cli_srv = cli_server_itl(s, server_engine, ids, N, repeats)
+        srv["tokens"]["cli_server"] = cli_srv["tokens"]
+        main_step = off["main"].get(server_engine, {}).get("total")
+        print(f"命令行的服务器（python -m step11_serving.api_server，另一个进程，客户端在本进程，{repeats} 个请求）："
+              f"token 间隔 {ms(cli_srv['itl'])} ms，服务器进程每个 token 自愿切换 {cli_srv['switches_per_token']:.0f} 次、"
+              f"{cli_srv['threads']} 个线程"
+              + (f"；÷ [2] 里 {server_engine} 在主线程的一步 {cli_srv['itl'] / main_step:.2f}（不轮流：先后跑的）"
+                 if main_step else ""))
+    return srv, cli_srv
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="冒烟：上下文 64、16 个 token、只有 step09 与服务器")
@@ -650,6 +682,7 @@ def main(argv=None) -> int:
     ap.add_argument("--server-engine", default=None, help="服务器挂哪一步的引擎（默认 step10；--quick step09）")
     ap.add_argument("--repeats", type=int, default=None, help="服务器每种客户端跑几个请求（默认 3，--quick 1）")
     ap.add_argument("--model", help="模型目录（默认：默认模型）")
+    ap.add_argument("--no-server", action="store_true", help="不跑第 3 部分（服务器）")
     ap.add_argument("--no-cli-server", action="store_true", help="不起命令行的服务器（另一个进程）做对照")
     ap.add_argument("--no-ch07", action="store_true", help="不跑第 4 部分（第 07 章负载的 TPOT，完整模式约 1.5 分钟）")
     ap.add_argument("--client", nargs=2, metavar=("URL", "BODY"), help=argparse.SUPPRESS)
@@ -687,36 +720,13 @@ def main(argv=None) -> int:
     print(table(["", *[PART_NAMES[k] for k in FORWARD_PARTS]], prow))
     print(f"贪心 token 与 step03 相同：{off['tokens_equal_step03']}")
 
-    srv = server_runs(s, server_engine, ids, N, ["process", "thread"], repeats)
-    print(f"\n[3] 经过服务器（本进程，{server_engine} 的引擎，/v1/completions 流式，{N} 个 token，每种状态、每种客户端 "
-          f"{repeats} 个请求取中位数；引擎线程里 torch 线程数 {srv['engine_thread_torch_threads']}）。"
-          "\"直接跑\"= 同一个引擎在它自己的线程里直接跑同一个请求（两次请求之间，服务器空着）：")
-    rows = []
-    for mode, by in srv["modes"].items():
-        d = by["direct"]
-        rows.append([SERVER_MODES[mode], "（直接跑）", ms(d["engine_step"]), "-", ms(d["engine_step"]), *["-"] * 4,
-                     ms(d["forward"]), "-", "-", "-", f"{d['switches_per_token']:.0f}", "1.00"])
-        for where in ("process", "thread"):
-            r = by[where]
-            rows.append([SERVER_MODES[mode], "另一个进程" if where == "process" else "本进程的线程", ms(r["itl"]),
-                         ms(r["cycle"]), *[ms(r[k]) for k in LOOP_PARTS], ms(r["forward"]), ms(r["thread_cpu"]),
-                         ms(r["sse"]), ms(r["net"]), f"{r['switches_per_token']:.0f}",
-                         f"{r['itl'] / d['engine_step']:.2f}"])
-    print(table(["状态", "客户端", "token 间隔 (ms)", "循环一圈", *[LOOP_NAMES[k] for k in LOOP_PARTS], "其中前向",
-                 "引擎线程的 CPU", "分发完→SSE 发出", "发出→客户端收到", "自愿切换/token", "÷ 直接跑的一步"], rows))
-    cli_srv = None
-    if not args.no_cli_server:
-        cli_srv = cli_server_itl(s, server_engine, ids, N, repeats)
-        srv["tokens"]["cli_server"] = cli_srv["tokens"]
-        main_step = off["main"].get(server_engine, {}).get("total")
-        print(f"命令行的服务器（python -m step11_serving.api_server，另一个进程，客户端在本进程，{repeats} 个请求）："
-              f"token 间隔 {ms(cli_srv['itl'])} ms，服务器进程每个 token 自愿切换 {cli_srv['switches_per_token']:.0f} 次、"
-              f"{cli_srv['threads']} 个线程"
-              + (f"；÷ [2] 里 {server_engine} 在主线程的一步 {cli_srv['itl'] / main_step:.2f}（不轮流：先后跑的）"
-                 if main_step else ""))
-    ref = off["bare_tokens"]
-    served_ok = {w: t == ref[:len(t)] and len(t) == N for w, t in srv["tokens"].items()}
-    print(f"服务器流式返回的 token 与 step03 相同：{served_ok}")
+    srv = cli_srv = None
+    served_ok = {}
+    if not args.no_server:
+        srv, cli_srv = report_server(s, off, server_engine, ids, N, repeats, not args.no_cli_server)
+        ref = off["bare_tokens"]
+        served_ok = {w: t == ref[:len(t)] and len(t) == N for w, t in srv["tokens"].items()}
+        print(f"服务器流式返回的 token 与 step03 相同：{served_ok}")
     ch07 = None
     if not args.no_ch07:
         t1 = off["main"].get("step07", {}).get("total")
@@ -734,9 +744,9 @@ def main(argv=None) -> int:
     load1 = load_avg()
     print(f"\nload avg 开始 {load0:.2f}、结束 {load1:.2f}；墙钟 {time.time() - t_start:.0f} s")
     ratios = {f"{n}_step_vs_bare": round(r["total"] / bare, 3) for n, r in off["main"].items()}
-    for mode, by in srv["modes"].items():
+    for mode, by in (srv["modes"] if srv else {}).items():
         ratios[f"server_itl_vs_direct_step_{mode}"] = round(by["process"]["itl"] / by["direct"]["engine_step"], 3)
-    if server_engine in off["main"]:
+    if srv and server_engine in off["main"]:
         main_step = off["main"][server_engine]["total"]
         ratios["server_itl_one_pool_vs_main_step"] = round(srv["modes"]["one_pool"]["process"]["itl"] / main_step, 3)
         if cli_srv:
@@ -747,8 +757,8 @@ def main(argv=None) -> int:
                           "tokens": N, "bare_forward_s": bare, "bare_switches": off["bare_switches"],
                           "engine_step": {m: off[m] for m in OFFLINE_MODES}, "released": off["released"],
                           "forward_split": off["forward_split"],
-                          "torch_threads": off["torch_threads"] | {"server_engine_thread": srv["engine_thread_torch_threads"]},
-                          "server_engine": server_engine, "server": srv["modes"],
+                          "torch_threads": off["torch_threads"] | {"server_engine_thread": srv and srv["engine_thread_torch_threads"]},
+                          "server_engine": server_engine, "server": srv and srv["modes"],
                           "cli_server": cli_srv and {k: v for k, v in cli_srv.items() if k != "tokens"},
                           "ratios": ratios,
                           "tokens_equal_step03": off["tokens_equal_step03"], "served_tokens_equal_step03": served_ok,
