@@ -509,8 +509,8 @@ def chapter07_tpot(s, quick: bool, batch1_step: Optional[float] = None) -> dict:
     """第 07 章 [2] 的负载（arrival_workload，同样的种子与到达间隔的量法），step07 默认预算 256，重放一遍，把 TPOT 拆开：
     一个请求相邻两个 token 的间隔就是那一步的时间（replay 步与步之间不等），所以按"这一步给几个 decode 出了 token"
     加权的平均步长 ≈ 平均 TPOT。步分两种：只有 decode 的（按批大小 B 分组）和带 prefill 块的。
-    batch1_step：批 1 一步的秒数（[2] 里 step07 的一步）；给了就把加权平均步长拆成 批 1 的一步 + 批大于 1 多出的 +
-    prefill 块多出的（没给时用负载里 B=1 的那几步）。"""
+    加权平均步长拆成 批 1 的一步 + 批大于 1 多出的 + prefill 块多出的；批 1 的一步取这个负载里只有一个 decode 的那几步
+    （同一段时间里量的：机器的速度几分钟里就会漂），负载里没有这种步时用 batch1_step（[2] 里 step07 的一步）。"""
     from common.bench import median_time
     from common.clock import WallClock
     from common.harness import percentile, replay
@@ -541,7 +541,7 @@ def chapter07_tpot(s, quick: bool, batch1_step: Optional[float] = None) -> dict:
         kinds[kind] = {"steps": len(g), "share": w / total_w, "mean_s": statistics.fmean(t for t, _ in g),
                        "mean_batch": w / len(g)}
     pure = [(t, d) for k, g in groups.items() if not k.startswith("decode +") for t, d in g]
-    t1 = batch1_step if batch1_step is not None else kinds.get("decode B=1", {}).get("mean_s", weighted)
+    t1 = kinds["decode B=1"]["mean_s"] if "decode B=1" in kinds else batch1_step if batch1_step is not None else weighted
     mixed = kinds.get("decode + prefill 块", {"share": 0.0, "mean_s": t1})
     split = {"batch1_step": t1, "prefill_chunks": mixed["share"] * (mixed["mean_s"] - t1)}
     split["batch_gt1"] = weighted - t1 - split["prefill_chunks"]
