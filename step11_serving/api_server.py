@@ -528,7 +528,7 @@ def main(argv=None) -> None:
         print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
               f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
         # 主线程加载模型时建了自己的 OpenMP 线程池，之后只跑事件循环；不还掉它，引擎线程的池再加进来，libgomp 见线程
-        # 比 CPU 多就不再忙等，每个并行区都要睡下 / 叫醒一次，空闲机器上一步慢近一倍（common/openmp.py，docs/11 第 10 节）
+        # 比 CPU 多就不再忙等，每个并行区都要睡下 / 叫醒一次，空闲机器上一步慢 1.4–1.7 倍（common/openmp.py，docs/11 第 10 节）
         release_thread_pool()
         code = serve(app, sock, args.shutdown_timeout)
     if code:
