@@ -1,4 +1,4 @@
-"""画第 06–08 章、第 15 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
+"""画第 06–08、14、15 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
 
     python docs/diagrams.py [--out docs/images]
 
@@ -8,6 +8,8 @@
     07_varlen_row.png           一步的全部新 token 展平成一行、按段做注意力（cu_seqlens）
     08_quant_pool_layout.png    量化池子的一块：int8 码与每个 (token, 头) 一个 float32 scale 并排
     08_swap_path.png            换出式抢占：块拷到第二层、重新接纳时拷回新块号
+    14_q4_1_blocks.png          Q4_1 / Q8_0 一块的字节、半字节的顺序，以及 16 个输出行的同一块重排成一条记录
+    14_register_tile.png        块内核的寄存器分块：16 个字节 → 16 行的权重 → 与 MT 行激活乘加进 MT 个累加器
     15_dfa_tokens.png           字节上的 DFA 与 token 的一步：一个 token 走过好几个状态，一个汉字切在两个 token 里
     appendix_decode_ladder.png  附录阶梯每一级的 ms/步（数字抄自附录那次完整运行的表）
 中文字体来自 PyPI 包 mplfonts（common/plotting.py）。
@@ -323,6 +325,152 @@ def swap_path(out: Path) -> Path:
     return save(fig, out, "08_swap_path.png")
 
 
+# ---------- 第 14 章 ----------
+
+D_COL, M_COL, LO_COL, HI_COL, X_COL = "#fdae6b", "#fdd0a2", "#9ecae1", "#c6dbef", "#a1d99b"
+
+
+def q4_1_blocks(out: Path) -> Path:
+    """step14 formats.py：GGUF 里一块 Q4_1（20 字节）/ Q8_0（34 字节），与 repack_blocks 把 16 行的同一块并成一条记录。"""
+    fig = plt.figure(figsize=(13, 9.6))
+
+    # ① 一块 Q4_1：d、m、16 个字节的半字节
+    ax = fig.add_axes([0.02, 0.58, 0.96, 0.37])
+    blank(ax)
+    ax.set_title("① 一块 Q4_1 = 同一个输出行上、沿输入维连续的 32 个权重，20 字节：值 = d·q + m，q ∈ 0..15", fontsize=11)
+    bw, bh, x0, y0 = 0.04, 0.12, 0.1, 0.68
+    box(ax, x0, y0, 2 * bw, bh, "d\n(fp16)", D_COL, fontsize=9)
+    box(ax, x0 + 2 * bw, y0, 2 * bw, bh, "m\n(fp16)", M_COL, fontsize=9)
+    for j in range(16):
+        box(ax, x0 + (4 + j) * bw, y0, bw, bh, f"qs\n{j}", LO_COL, fontsize=8)
+    for i in (0, 2, 4, 19):
+        ax.text(x0 + (i + 0.5) * bw, y0 + bh + 0.04, str(i), ha="center", fontsize=8, color="#555555")
+    ax.text(x0 - 0.01, y0 + bh + 0.04, "字节", ha="right", fontsize=8, color="#555555")
+    # 32 个权重：前 16 个来自低半字节，后 16 个来自高半字节
+    ww, wy = 0.0255, 0.2
+    for k in range(32):
+        box(ax, 0.09 + k * ww, wy, ww, 0.09, str(k), LO_COL if k < 16 else HI_COL, fontsize=7)
+    ax.text(0.08, wy + 0.045, "权重", ha="right", va="center", fontsize=9)
+    for j, (lo_c, hi_c) in ((0, ("#08519c", "#6baed6")), (1, ("#08519c", "#6baed6")), (15, ("#08519c", "#6baed6"))):
+        src = (x0 + (4 + j + 0.5) * bw, y0)
+        arrow(ax, src, (0.09 + (j + 0.5) * ww, wy + 0.09), color=lo_c)
+        arrow(ax, src, (0.09 + (j + 16.5) * ww, wy + 0.09), color=hi_c)
+    ax.text(0.5, 0.47, "qs[j] 的低 4 位（深色箭头）是第 j 个权重，高 4 位（浅色）是第 j + 16 个，不是相邻的两个：qs[j] = (q[j+16] << 4) | q[j]",
+            ha="center", fontsize=10, bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    ax.text(0.5, 0.05, "Q8_0（词嵌入，也是 tie 的 lm_head）：[ d (fp16) | qs[0] … qs[31] (int8) ]，34 字节，值 = d·q；"
+            "d·q 在 float32 里没有舍入，Q4_1 只在 + m 处舍入一次",
+            ha="center", fontsize=9.5)
+
+    # ② 重排：16 行的同一块 → 一条 320 字节的记录
+    ax = fig.add_axes([0.02, 0.01, 0.96, 0.52])
+    blank(ax)
+    ax.set_title("② repack_blocks：一个行组（16 个输出行）的第 b 块并成一条记录；字节一个没多，只是换了顺序", fontsize=11)
+    rh, cw, gx, gy = 0.035, 0.045, 0.05, 0.3
+    nb_drawn, hb = 5, 2
+    for r in range(16):
+        yr = gy + (15 - r) * rh
+        for b in range(nb_drawn):
+            box(ax, gx + b * cw, yr, cw, rh, "", USED if b == hb else "white", fontsize=6)
+        ax.text(gx - 0.008, yr + rh / 2, f"行 {r}", ha="right", va="center", fontsize=7)
+    for b in range(nb_drawn):
+        label = "块 b" if b == hb else "…" if b == nb_drawn - 1 else ""
+        ax.text(gx + (b + 0.5) * cw, gy + 16 * rh + 0.015, label, ha="center", fontsize=8)
+    ax.text(gx + nb_drawn * cw / 2, gy - 0.06, "GGUF 里的顺序：(N, K/32, 20)\n一行的块挨着存", ha="center", fontsize=9)
+
+    rx, ry, rw, rrh = 0.36, 0.68, 0.6, 0.085
+    parts = [("d × 16 行\n32 B", D_COL, 2), ("m × 16 行\n32 B", M_COL, 2)] + \
+            [(f"qs[{j}]\n× 16 行", LO_COL, 1) for j in (0, 1, 2)] + [("…", "white", 1)] + \
+            [("qs[15]\n× 16 行", LO_COL, 1)]
+    unit = rw / sum(u for _, _, u in parts)
+    x = rx
+    spans = []
+    for text, col, u in parts:
+        box(ax, x, ry, u * unit, rrh, text, col, fontsize=8)
+        spans.append((x, u * unit))
+        x += u * unit
+    ax.text(rx + rw / 2, ry + rrh + 0.04, "记录 (行组 g, 块 b)：320 字节 = 16 行 × 20 字节", ha="center", fontsize=10)
+    arrow(ax, (gx + (hb + 1) * cw + 0.005, gy + 8 * rh), (rx, ry + rrh / 2), "16 行的第 b 块", rad=-0.2,
+          text_xy=(0.3, 0.8))
+    # 放大 qs[0] 那 16 个字节
+    qx, qy, qw = 0.38, 0.4, 0.56
+    for r in range(16):
+        box(ax, qx + r * qw / 16, qy, qw / 16, 0.08, f"r{r}", LO_COL, fontsize=7)
+    x_q0, w_q0 = spans[2]
+    ax.plot([x_q0, qx], [ry, qy + 0.08], color="#555555", linewidth=0.8)
+    ax.plot([x_q0 + w_q0, qx + qw], [ry, qy + 0.08], color="#555555", linewidth=0.8)
+    ax.text(qx + qw / 2, qy - 0.06, "qs[j] × 16 行：16 个相邻的字节 = 16 个输出行各自的第 j（低 4 位）与第 j + 16 个（高 4 位）权重\n"
+            "内核读 16 个字节、零扩展成 16 个 int32，就是一个 AVX-512 向量里 16 行的同一个位置",
+            ha="center", va="center", fontsize=9)
+    ax.text(rx + rw / 2, 0.12, "一个行组的全部记录（块 0 … K/32 − 1）在内存里连续：内核从头到尾顺着读一遍。\n"
+            "N 不是 16 的倍数时最后一个行组补全 0 的块（d = m = 0）；Q8_0 的记录是 [d × 16 | qs[0..31] × 16]，544 字节",
+            ha="center", va="center", fontsize=9)
+    return save(fig, out, "14_q4_1_blocks.png")
+
+
+def register_tile(out: Path) -> Path:
+    """step14 kernels.py 的 tile_q4_1：一个行组 × MT 行激活，累加器留在寄存器里，一块一块地读记录。"""
+    fig = plt.figure(figsize=(13, 7.4))
+    fig.suptitle("寄存器分块（kernels.py 的 tile_q4_1）：读 16 个字节得到 16 个输出行的权重，对 MT 行激活全部乘加完才读下一批",
+                 fontsize=11, y=0.985)
+    ax = fig.add_axes([0.0, 0.0, 1.0, 0.94])
+    blank(ax)
+    lane, lh, bx = 0.02, 0.055, 0.03
+
+    def lanes(x, y, color, n=16, w=lane):
+        for r in range(n):
+            box(ax, x + r * w, y, w, lh, "", color)
+
+    lanes(bx, 0.86, LO_COL)
+    ax.text(bx + 8 * lane, 0.86 + lh + 0.02, "记录 (g, b) 里的 qs[j] × 16 行：16 个字节，一次读入", ha="center", fontsize=9)
+    arrow(ax, (bx + 8 * lane, 0.86), (bx + 8 * lane, 0.66 + lh), "vnibbles：零扩展成 int32、& 15 / >> 4、转 float",
+          text_xy=(bx + 8 * lane, 0.79), fontsize=8.5)
+    lanes(bx, 0.66, LO_COL)
+    ax.text(bx + 16 * lane + 0.01, 0.66 + lh / 2, "低 4 位：16 行各自的 q[j]", va="center", fontsize=9)
+    lanes(bx, 0.57, HI_COL)
+    ax.text(bx + 16 * lane + 0.01, 0.57 + lh / 2, "高 4 位：q[j + 16]", va="center", fontsize=9)
+    lanes(bx, 0.4, D_COL)
+    ax.text(bx + 16 * lane + 0.01, 0.4 + lh / 2, "d × 16 行", va="center", fontsize=9)
+    lanes(bx, 0.31, M_COL)
+    ax.text(bx + 16 * lane + 0.01, 0.31 + lh / 2, "m × 16 行", va="center", fontsize=9)
+    ax.text(bx + 8 * lane, 0.26, "记录开头的 fp16，每块转一次 float（vhalf）", ha="center", va="top", fontsize=8.5)
+
+    box(ax, 0.5, 0.44, 0.13, 0.2, "fma(q, d, m)\n= d·q + m\n逐位等于\nformats.decode", "white", fontsize=9.5, round_=True)
+    arrow(ax, (0.47, 0.64), (0.5, 0.58))
+    arrow(ax, (0.47, 0.43), (0.5, 0.5))
+
+    wl, wx = 0.016, 0.68
+    lanes(wx, 0.66, LO_COL, w=wl)
+    ax.text(wx + 8 * wl, 0.66 + lh + 0.015, "w_lo：16 行的第 j 个权重（fp32，只在寄存器里）", ha="center", fontsize=8.5)
+    lanes(wx, 0.52, HI_COL, w=wl)
+    ax.text(wx + 8 * wl, 0.52 + lh + 0.015, "w_hi：16 行的第 j + 16 个", ha="center", fontsize=8.5)
+    arrow(ax, (0.63, 0.57), (wx, 0.68))
+    arrow(ax, (0.63, 0.52), (wx, 0.55))
+
+    MT, ay = 4, 0.1
+    for m in range(MT):
+        lanes(wx, ay + (MT - 1 - m) * lh, CACHED, w=wl)
+        ax.text(wx - 0.008, ay + (MT - 1 - m + 0.5) * lh, f"acc[{m}]", ha="right", va="center", fontsize=9)
+    ax.text(wx + 8 * wl, ay + MT * lh + 0.015, "MT 个累加器：每个是 16 个输出行的部分和，一个向量寄存器", ha="center",
+            fontsize=8.5)
+    arrow(ax, (wx + 8 * wl, 0.52), (wx + 8 * wl, ay + MT * lh + 0.045))
+    ax.text(wx + 8 * wl, 0.045, "acc[m][0] += x[m][j] · w_lo，acc[m][1] += x[m][j+16] · w_hi\n"
+            "（x 广播成 16 份，一条 FMA；图里每行只画了一个累加器）", ha="center", va="center", fontsize=8.5)
+
+    xx = 0.43
+    for m in range(MT):
+        box(ax, xx + m * 0.045, 0.17, 0.045, lh, f"x[{m}][j]", X_COL, fontsize=7.5)
+    ax.text(xx + MT * 0.045 / 2, 0.17 - 0.02, "xt[k][m]：这 MT 个数相邻\n（激活每次调用转置一次）", ha="center", va="top",
+            fontsize=8.5)
+    arrow(ax, (xx + MT * 0.045, 0.17 + lh / 2), (wx - 0.05, ay + 2 * lh))
+
+    ax.text(0.985, 0.99, "循环：行组 g（OpenMP 按行组分给线程）\n → 激活每 MT 行一段（AVX-512 MT ≤ 8，AVX2 ≤ 4）\n"
+            "   → 块 b = 0 … K/32 − 1\n     → j = 0 … 15\n最后把 acc 写进 y[m][16g … 16g + 15]",
+            ha="right", va="top", multialignment="left", fontsize=9,
+            bbox=dict(facecolor="#f7f7f7", edgecolor="#999999", pad=4))
+    ax.text(bx, 0.13, "每个权重字节每次调用只从内存读一次，不管 M 多大。\nM = 1 时只有一行激活：同一个累加器的一串 FMA\n"
+            "要排队等上一条（约 4 个周期），所以每行分 P 个\n累加器轮流加（kernels.py 的 Chains）",
+            ha="left", va="center", fontsize=8.5)
+    return save(fig, out, "14_register_tile.png")
 # ---------- 第 15 章 ----------
 
 # 第 15 章第 1 节的例子。DFA 的状态号由 step15 的代码现算（纯 Python，不要分词器）；token 的切法与"这个状态允许几个
@@ -462,7 +610,8 @@ def decode_ladder(out: Path) -> Path:
     return save(fig, out, "appendix_decode_ladder.png")
 
 
-DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, dfa_tokens, decode_ladder)
+DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, q4_1_blocks, register_tile,
+            dfa_tokens, decode_ladder)
 
 
 def main(argv=None) -> list[Path]:
