@@ -24,7 +24,8 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
     "step13": "step13_kv_blend",      # step12 的引擎 + 非前缀复用（--blend / --recompute-ratio）
     "step15": "step15_structured_output",   # step09 的引擎 + 结构化输出（response_format、structured_outputs）
 }
-DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
+DEFAULT_ENGINE = "step10"          # 最后一个通用引擎：step09 的全部 + --tp/--pp（默认 1、1：一个进程）；
+                                   # step12/13/15 在 step09 的引擎上各加一件事（驱逐、非前缀复用、约束），用 --engine 选
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
 # 算 logprobs 的（Request.logprobs / prompt_logprobs → RequestOutput 里带着）；更早的引擎不看这两项，服务器回 400
 LOGPROBS_ENGINES = {"step09", "step10", "step12", "step13", "step15"}
