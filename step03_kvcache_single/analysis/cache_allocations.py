@@ -30,7 +30,7 @@ from common.config import ModelConfig  # noqa: E402
 from step03_kvcache_single.cache import CatKVCache, PreallocKVCache  # noqa: E402
 
 MIB = 2**20
-CACHES = {"CatKVCache": CatKVCache, "PreallocKVCache": PreallocKVCache}
+CACHE_CLASSES = {"CatKVCache": CatKVCache, "PreallocKVCache": PreallocKVCache}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -89,10 +89,19 @@ def decode_like(cache, cfg: ModelConfig, kv: torch.Tensor, steps: int) -> None:
 
 
 def measure(name: str, cfg, prompt_len: int, steps: int, device: str, dtype=torch.float32) -> dict:
-    cls = CACHES[name]
+    """量一种缓存（CACHE_CLASSES 里的名字）：gc 关着（旧张量不等 gc：引用计数归零就释放，gc 只管引用成环的对象），量完再打开。"""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _measure(CACHE_CLASSES[name], cfg, prompt_len, steps, device, dtype)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _measure(cls, cfg, prompt_len: int, steps: int, device: str, dtype) -> dict:
     max_len = prompt_len + steps
     kv = torch.zeros(1, cfg.num_kv_heads, prompt_len, cfg.head_dim, device=device, dtype=dtype)
-    gc.disable()            # 旧张量不等 gc：引用计数归零就释放（gc 只管引用成环的对象）
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -141,7 +150,7 @@ def main():
           f"每种缓存一个新进程，gc 关着")
     ctx = multiprocessing.get_context("spawn")
     rows = []
-    for name in CACHES:
+    for name in CACHE_CLASSES:
         with ctx.Pool(1) as pool:
             r = pool.apply(measure_in_child, (name, str(path), args.prompt_len, args.steps, args.device))
         frag = None if r["held"] is None or args.device != "cpu" else r["held"] - r["final"]
