@@ -4,7 +4,7 @@
 
 画出的文件（按章节命名）：
     06_radix_split.png          基数树插入一个分叉的提示词时在边的中间分裂，对照整块匹配
-    06_block_lifecycle.png      前缀缓存里一个块的一生：空闲 → 使用中 → 已缓存 → 可驱逐 → 被驱逐
+    06_block_lifecycle.png      前缀缓存里一个块的一生：空闲 → 使用中 → 已缓存 → 可回收 → 被回收
     07_varlen_row.png           一步的全部新 token 展平成一行、按段做注意力（cu_seqlens）
     08_quant_pool_layout.png    量化池子的一块：int8 码与每个 (token, 头) 一个 float32 scale 并排
     08_swap_path.png            换出式抢占：块拷到第二层、重新接纳时拷回新块号
@@ -161,7 +161,7 @@ def block_lifecycle(out: Path) -> Path:
         "free": (0.03, 0.42, "空闲\nref = 0，没有 key\n（free_blocks）", FREE),
         "used": (0.38, 0.76, "使用中\nref ≥ 1，没有 key\n（没写满，或内容重复没登记）", USED),
         "cached": (0.73, 0.42, "已缓存、有人用\nref ≥ 1，带 key（登记在前缀表里）\n再被命中：acquire，ref + 1", CACHED),
-        "evictable": (0.38, 0.06, "可驱逐\nref = 0，仍带 key\n（evictable，LRU 顺序）", EVICT),
+        "evictable": (0.38, 0.06, "可回收\nref = 0，仍带 key\n（evictable，LRU 顺序）", EVICT),
     }
     for x, y, text, color in states.values():
         box(ax, x, y, w, h, text, color, fontsize=10, round_=True)
@@ -179,9 +179,9 @@ def block_lifecycle(out: Path) -> Path:
     arrow(ax, side("cached", "bottom"), side("evictable", "right"), "最后一个持有者 free\n（ref → 0）：内容留着",
           rad=-0.25, text_xy=(0.83, 0.17))
     arrow(ax, (0.62, 0.2), (0.76, 0.42), "命中：acquire\n（ref + 1，从队列中间取出）", rad=0.0, text_xy=(0.66, 0.33))
-    arrow(ax, side("evictable", "left"), side("free", "bottom"), "被驱逐：allocate 缺空块时\n取 LRU 最前面的一块，删掉 key",
+    arrow(ax, side("evictable", "left"), side("free", "bottom"), "被回收：allocate 缺空块时\n取 LRU 最前面的一块，删掉 key",
           rad=-0.25, text_xy=(0.13, 0.17))
-    ax.text(0.5, 0.55, "num_free = 空闲 + 可驱逐\n（缓存占着的块随时能让出来）", ha="center", va="center", fontsize=9,
+    ax.text(0.5, 0.55, "num_free = 空闲 + 可回收\n（缓存占着的块随时能让出来）", ha="center", va="center", fontsize=9,
             color="#444444")
     fig.tight_layout()
     return save(fig, out, "06_block_lifecycle.png")

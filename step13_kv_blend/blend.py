@@ -214,7 +214,7 @@ def reuse_cost(store, token_ids: list[int], chunks: list[tuple[int, int]], n: in
 @torch.inference_mode()
 def reuse_chunks(model, store, token_ids: list[int], chunks: list[tuple[int, int]], mode: str, n: int):
     """提示词的前 n 个 token 里，各段的 K/V：块缓存里有就拿（acquire），没有就单独算一遍（位置 0..）、存进去
-    （池子腾不出块就不存，照样用）。先把命中的段全部 acquire、再算没命中的：存新段要腾块时驱逐不到这个请求要用的段，
+    （池子腾不出块就不存，照样用）。先把命中的段全部 acquire、再算没命中的：存新段要腾块时回收不到这个请求要用的段，
     单独算的 token 数正好是 reuse_cost 事先报的。concat：原样放到段的位置；reuse / blend：K 再转 Δ = start（V 不变）。
     返回 (kv (layers, 2, H_kv, n, D)，reused (n,) bool，持有的段（用完要 store.release），单独算了几个 token)。"""
     cfg, dev = model.cfg, model.device
