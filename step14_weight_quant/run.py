@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
 from common import cli  # noqa: E402
 from common.linear import linear_impl  # noqa: E402
 from step02_sampling.sampler import params_from_args  # noqa: E402
