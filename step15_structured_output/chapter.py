@@ -227,7 +227,7 @@ class Chapter:
     def masking_only_removes(self):
         s = self.s
         n_new = 16 if self.quick else 32
-        stage(f"\n[3] 贪心的输出本来就满足约束时（约束 = 它自己的文本），加上约束 token 不变 ...")
+        stage("\n[3] 贪心的输出本来就满足约束时（约束 = 它自己的文本），加上约束 token 不变 ...")
         ok, rows = True, []
         reqs = [Request(s.encode(t, chat), n_new, SamplingParams()) for _, t, chat in CHAPTER_PROMPTS]
         free = self.generate(self.engine(spec_method="none"), reqs)
