@@ -65,9 +65,17 @@ def weight_bytes_per_step(model, rows: int = 1) -> int:
 
     约定（全仓库只此一处）：每个参数都读一遍——各层的投影矩阵、RMSNorm 的向量、LM head 的整张 (E, V) 矩阵
     （对全部 V 个词打分，一个不少）；词嵌入表例外：查表只读 rows 行（每行 E 个数），不是整张表。
-    tie 的模型里 lm_head 是嵌入表的转置副本（common/weights.py），按整张矩阵算。"""
-    emb = model.embed_tokens.weight
-    return sum(p.nbytes for p in model.parameters()) - emb.nbytes + rows * emb[0].nbytes
+    tie 的模型里 lm_head 是嵌入表的转置副本（common/weights.py），按整张矩阵算。
+    权重也可以是缓冲区（step14 换上的块：BlockLinear / BlockEmbedding 的 packed），同一个张量只算一次；
+    嵌入表与 lm_head 共用同一份块时（step14 的 tie），lm_head 整张读，查表不另算。"""
+    buffers = {b.data_ptr(): b.nbytes for b in model.buffers()}
+    total = sum(p.nbytes for p in model.parameters()) + sum(buffers.values())
+    emb = model.embed_tokens
+    table = emb.weight if isinstance(emb, torch.nn.Embedding) else emb.packed
+    if not isinstance(emb, torch.nn.Embedding) and getattr(model.lm_head, "packed", None) is not None \
+            and model.lm_head.packed.data_ptr() == table.data_ptr():
+        return total
+    return total - table.nbytes + rows * table.nbytes // emb.num_embeddings
 
 
 @dataclass(frozen=True)

@@ -550,6 +550,22 @@ def matmul_unchecked(lib, code: int, x: torch.Tensor, packed: torch.Tensor, N: i
     return y
 
 
+# torch.compile 看到的矩阵乘：同一个 C++ 调用注册成 PyTorch 算子。dynamo 追踪不进 ctypes 调用（没有张量语义，
+# 整步会断成几百张图）；包成算子，编译器在图里只调用它，形状从 register_fake 得知，不往里看（与 common/linear.py 的
+# packed_linear、perf/compiled_decode.py 的 write_kv_ 同一个办法）。eager 不走它：BlockLinear.matmul 直接调
+# matmul_unchecked——经过 Python 实现的算子每次多十几微秒（分发、schema 检查），decode 一步两百多次调用
+# （bench/block_matmul_bench.py --part overhead 量这两者之差）。
+@torch.library.custom_op("step14::block_matmul", mutates_args=())
+def block_matmul_op(x: torch.Tensor, packed: torch.Tensor, code: int, N: int, K: int) -> torch.Tensor:
+    """y = x·Wᵀ：x (M, K) 连续的 CPU float32，packed 是 BlockLinear 查过的块（code = FMT_CODE[fmt]）→ (M, N)。"""
+    return matmul_unchecked(library(), code, x.contiguous(), packed, N, K)
+
+
+@block_matmul_op.register_fake
+def _(x, packed, code, N, K):
+    return x.new_empty(x.shape[0], N)                                   # (M, K) -> (M, N)
+
+
 def matmul_naive(fmt: str, x: torch.Tensor, w, lib=None) -> torch.Tensor:
     """朴素 C++：w 是原始块 (N, K/32, 字节) uint8 numpy（q4_1 / q8_0），或 float32 的 W (N, K) torch 张量。"""
     if fmt == "f32":

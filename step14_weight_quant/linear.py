@@ -48,7 +48,10 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                 # (..., in) -> (M, in)
         if x2.dtype != torch.float32 or not x2.is_cpu or not x2.is_contiguous():
             x2 = kernels.check_x(x2, self.in_features)                       # 不是 CPU float32 时报错；否则拷成连续
-        y = kernels.matmul_unchecked(self.lib, self.code, x2, self.packed, self.out_features, self.in_features)
+        if torch.compiler.is_compiling():          # torch.compile 追踪时：同一个内核，注册成算子（kernels.block_matmul_op）
+            y = kernels.block_matmul_op(x2, self.packed, self.code, self.out_features, self.in_features)
+        else:                                      # eager：直接 ctypes 调用，不经过算子分发（每次省十几微秒）
+            y = kernels.matmul_unchecked(self.lib, self.code, x2, self.packed, self.out_features, self.in_features)
         return y.view(*x.shape[:-1], self.out_features)                      # (M, out) -> (..., out)
 
     def extra_repr(self) -> str:
@@ -85,7 +88,9 @@ class BlockEmbedding(nn.Module):
         self.register_buffer("packed", packed)
 
     def forward(self, ids):                                   # (B, L) -> (B, L, E)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        # 越界检查要把 id 读回 Python（int(...)）：编译的图里做不了，那里的 id 来自引擎、inductor 的下标也自带越界检查
+        if not torch.compiler.is_compiling() and ids.numel() and \
+                (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         return formats.embedding_rows(self.packed, ids)
 

@@ -14,6 +14,8 @@
 --weights q8_0  有损：每个矩阵（词嵌入也是）从 float32 权重重新量化成 Q8_0（gguf 包的量化器，llama.cpp 的规则）
 --activations q8   有损的一级（只配 q4_1）：投影的激活先量化成 8 位（Q8_1），与 Q4_1 做整数点积，llama.cpp 在 CPU 上的算法
 --linear auto   --weights f32 时同前几步（CPU float32 上是 packed）；别的 --weights 时是 ours
+--compile       step09 的引擎、decode 步编译成图（perf/compiled_decode.py）；我们的内核在图里是一个算子
+                （kernels.block_matmul_op），所以与 --weights、--linear ours 都能一起用（有损的 --activations q8 除外）
 """
 import sys
 from pathlib import Path
@@ -103,8 +105,8 @@ def uses_step09(args, parser) -> bool:
 def main(args) -> bool:
     params, stop = params_from_args(args), cli.stop_from_args(args)
     step09_run.check_args(args)
-    if getattr(args, "compile", False) and (args.linear == "ours" or args.weights != "f32"):
-        raise UserError("--compile compiles torch's matmuls; step14's kernel is a ctypes call (drop --compile)")
+    if getattr(args, "compile", None) and args.activations == "q8":   # 有损的一级只用来对照，没有注册成算子
+        raise UserError("--activations q8 has no compiled path (its kernel is not a PyTorch op): drop --compile")
     if args.prompt is None:
         from step14_weight_quant.chapter import Chapter
         return Chapter(args, engine_for).run()
