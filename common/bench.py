@@ -123,7 +123,9 @@ class StepProfile:
 
 
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm",
-              "mkldnn::_linear_pointwise")        # 最后一个：--linear packed 的矩阵乘（common/linear.py）
+              "mkldnn::_linear_pointwise",        # --linear packed 的矩阵乘（common/linear.py）
+              "step14::block_matmul")             # step14 的块内核（编译的图里是算子；eager 里要调用方标出来）
+OP_PREFIXES = ("aten::", "mkldnn::", "step14::")  # 顶层的这些事件各算一个算子（step14::：step14 的 C++ 调用）
 COMPILED_GRAPH = "## Call CompiledFxGraph"   # torch.compile 的图在剖析器里的名字；它的子事件是图里的内核
 
 
@@ -141,7 +143,7 @@ def profile_steps(fn, steps: int) -> StepProfile:
 
     def is_op(e):
         if e.cpu_parent is None:
-            return e.name.startswith(("aten::", "mkldnn::"))
+            return e.name.startswith(OP_PREFIXES)
         return e.cpu_parent.name.startswith(COMPILED_GRAPH)
 
     calls = sum(1 for e in prof.events() if is_op(e)) / steps

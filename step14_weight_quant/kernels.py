@@ -347,6 +347,51 @@ extern "C" void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
   for (int64_t i = 0; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
+// ---- 几个小算子（fused.py 的 eager 融合路径）：每个一次调用做完 PyTorch 要发好几个算子才做完的事 ----
+// 都是单线程：decode 时每个只有几百个数，开线程的代价比算本身大。T 行，每行之间跳 stride 个 float。
+
+static inline float sum_squares(const float* x, int64_t n) {
+  float acc[16] = {0};                                         // 16 个部分和：编译器能把这个循环向量化
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// RMSNorm（common/model.py 的 RMSNorm，float32）：y = w · (x / sqrt(mean(x²) + eps))。代替 pow、mean、add、rsqrt、mul、mul
+// 和两次 to 共 8 个算子。residual 不为空时先 h += residual（残差相加，原地写进 h），再对 h 做 RMSNorm：再省一个 add
+extern "C" void rms_norm(float* h, const float* residual, const float* w, float* y, int64_t T, int64_t E, float eps) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* x = h + t * E;
+    if (residual)
+      for (int64_t e = 0; e < E; ++e) x[e] = residual[t * E + e] + x[e];
+    const float r = 1.0f / std::sqrt(sum_squares(x, E) / (float)E + eps);
+    for (int64_t e = 0; e < E; ++e) y[t * E + e] = w[e] * (x[e] * r);
+  }
+}
+
+// RoPE（common/model.py 的 apply_rope），原地：x 是 (T, heads, D) 的一行行（行距 stride 个 float），cos/sin (T, D)。
+// 第 i 对 (x_i, x_{i+D/2}) 转 pos·θ_i：x_i·cos − x_{i+D/2}·sin，x_{i+D/2}·cos + x_i·sin。
+// 代替 PyTorch 的 x·cos + rotate_half(x)·sin：切两半、取负、拼接、两次乘、一次加，q 和 k 各一遍
+// 不许编译器把 a·c − b·s 合成一条 FMA（少一次舍入）：与 PyTorch 先乘、再加的结果逐位相同
+extern "C" __attribute__((optimize("fp-contract=off")))
+void rope(float* x, int64_t stride, int64_t T, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + t * stride + h * D;
+      const float *c = cos + t * D, *s = sin + t * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+}
+
 // ---- 有损的一级：llama.cpp 的做法。激活先量化成 8 位（Q8_1），再与 Q4_1 的 4 位权重做整数点积 ----
 // 激活每 32 个一块：dy = max|x| / 127，qy = round(x / dy) ∈ [-127, 127]，sy = dy·Σqy。一块的点积
 //   Σ_j (dx·qx_j + mx)·(dy·qy_j) = dx·dy·Σ_j qx_j·qy_j + mx·sy
@@ -479,6 +524,10 @@ def load_library(extra_flags: tuple = ()) -> ctypes.CDLL:
     lib.q4_1_q8_1_matmul.restype = None
     lib.halves_to_floats.argtypes = [P, P, I64]
     lib.halves_to_floats.restype = None
+    lib.rms_norm.argtypes = [P, P, P, P, I64, I64, ctypes.c_float]
+    lib.rms_norm.restype = None
+    lib.rope.argtypes = [P, I64, I64, I64, I64, P, P]
+    lib.rope.restype = None
     lib.isa.restype = I
     return lib
 
@@ -544,9 +593,10 @@ def matmul(fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, l
 
 
 def matmul_unchecked(lib, code: int, x: torch.Tensor, packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """matmul 去掉检查（BlockLinear 在构造时查过 packed，每次调用只查 x）：decode 一步两百多次调用，每次省十几微秒。"""
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    lib.block_matmul(code, x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], N, K, torch.get_num_threads())
+    """matmul 去掉检查（BlockLinear 在构造时查过 packed，每次调用只查 x）：decode 一步两百多次调用，每次省十几微秒。
+    x 是连续的 (..., K) 就行：前面几维合起来就是 M 行，y 直接按 (..., N) 分配（省掉前后两次变形，各是一个算子）。"""
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    lib.block_matmul(code, x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // K, N, K, torch.get_num_threads())
     return y
 
 

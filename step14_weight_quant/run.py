@@ -14,6 +14,8 @@
 --weights q8_0  有损：每个矩阵（词嵌入也是）从 float32 权重重新量化成 Q8_0（gguf 包的量化器，llama.cpp 的规则）
 --activations q8   有损的一级（只配 q4_1）：投影的激活先量化成 8 位（Q8_1），与 Q4_1 做整数点积，llama.cpp 在 CPU 上的算法
 --linear auto   --weights f32 时同前几步（CPU float32 上是 packed）；别的 --weights 时是 ours
+--fused-ops     eager 的融合路径（fused.py）：每层的 RMSNorm、残差相加 + RMSNorm、RoPE 各一次 C++ 调用，q/k/v 与
+                gate/up 的块各拼成一个；不加就是 common/model.py 原样
 --compile       step09 的引擎、decode 步编译成图（perf/compiled_decode.py）；我们的内核在图里是一个算子
                 （kernels.block_matmul_op），所以与 --weights、--linear ours 都能一起用（有损的 --activations q8 除外）
 """
@@ -36,6 +38,7 @@ from step04_static_batching.request import Request  # noqa: E402
 from step09_speculative import run as step09_run  # noqa: E402
 from step09_speculative.config import num_blocks_for_budget  # noqa: E402
 from step14_weight_quant import kernels  # noqa: E402
+from step14_weight_quant.fused import use_fused_ops_  # noqa: E402
 from step14_weight_quant.linear import use_block_weights_  # noqa: E402
 
 WEIGHTS = ("f32", "q8_0", "q4_1")
@@ -55,6 +58,9 @@ def make_parser() -> cli.Parser:
     g.add_argument("--weights", choices=WEIGHTS, default="f32",
                    help="f32 = 模型的 float32 权重；q4_1 = 默认模型的 GGUF 里的块原样使用（与 f32 同样的 token）；"
                         "q8_0 = 从 float32 重新量化（有损）")
+    g.add_argument("--fused-ops", action="store_true",
+                   help="eager 的融合路径（fused.py）：RMSNorm（连同残差相加）、RoPE 换成一次 C++ 调用，q/k/v、gate/up "
+                        "的块拼成一个；数学不变。不加时就是 common/model.py 原样")
     g.add_argument("--activations", choices=ACTIVATIONS, default="f32",
                    help="q8 = 有损的一级：投影的激活量化成 8 位再与 Q4_1 做整数点积（只配 --weights q4_1）")
     return p
@@ -90,13 +96,19 @@ def load(args):
     s = cli.load_session(cli.override(args, linear="plain") if fmt else args)   # 换之前不必打包
     if fmt:
         use_block_weights_(s.model, fmt)
+    if args.fused_ops:
+        if s.model.device.type != "cpu" or s.model.dtype != torch.float32:
+            print(f"--fused-ops 的 C++ 小算子只在 CPU float32 上：{s.model.device}/{str(s.model.dtype).removeprefix('torch.')} "
+                  "上照常用 common/model.py 的写法")
+        else:
+            use_fused_ops_(s.model)
     return s, fmt
 
 
 def uses_step09(args, parser) -> bool:
     """几个提示词，或 --n、step09 的任何引擎参数不是默认值：step09 的引擎；否则 step03 的 generate。"""
     step03_dests = {a.dest for a in cli.make_parser("")._actions} | {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                           "weights", "activations", "help"}
+                           "weights", "activations", "fused_ops", "help"}
     changed = [a.dest for a in parser._actions if a.dest not in step03_dests
                and getattr(args, a.dest, None) != parser.get_default(a.dest)]
     return len(args.prompt) > 1 or bool(changed)

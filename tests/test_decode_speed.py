@@ -173,6 +173,11 @@ def test_bench_runs_without_llama_cpp(linear, tiny_tok_dir, monkeypatch, capsys)
         assert 0 < figures[f"matmul_share[{name}]"] and figures[f"matmul_ms[{name}]"] > 0, name
         assert f"other_ms[{name}]" in figures and f"tok_s[{name}]" in figures, name
     assert figures["packed_speedup[step03]"] > 0
+    # step14 的块内核（ours_engines）：小模型没有 GGUF，只有 float32 的四行；eager 里的 ctypes 调用也剖析得到
+    ours = [n for n in result["checks"] if n.startswith("ours f32")]
+    assert len(ours) == 4, ours
+    for name in ours:
+        assert figures[f"ops_per_step[{name}]"] > 0 and figures[f"matmul_ms[{name}]"] > 0, name
     for name in ("compiled_step_speedup_b8", "compiled_throughput_ratio_b8_vs_eager", "compiled_graphs",
                  "compile_rss_mib", "decode_step_ms_b1[eager]", "engine_tok_s_b8[compiled]"):
         assert name in figures, name

@@ -16,7 +16,7 @@ from perf import compiled_decode as cd
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 from step05_paged import engine as step05
-from step14_weight_quant import formats, kernels
+from step14_weight_quant import kernels
 from step14_weight_quant.formats import QuantTensor, repack_blocks, repack_f32
 from step14_weight_quant.linear import BlockEmbedding, BlockLinear, use_block_weights_
 
@@ -24,13 +24,6 @@ gguf = pytest.importorskip("gguf")
 from test_step14_kernels import gguf_from_model_dir, random_blocks  # noqa: E402
 
 TOL = MARGIN_TOL[torch.float32]
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not kernels.kernel_available():
-        pytest.fail(f"kernel build failed: {kernels.kernel_build_error()}")
-    return kernels.library()
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q4_1", "q8_0"])
