@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -185,13 +186,17 @@ def ours_engines(s) -> list[Engine]:
     每种四行：
       eager（step03 原样）                       每步 211 次内核调用，其余算子与第 0 级相同；
       eager + 融合小算子（step14 的 fused.py）     RMSNorm（连同残差相加）、RoPE 一次 C++ 调用，q/k/v、gate/up 的块拼成一个；
-      编译（第 4 级的配方：融合投影、SDPA、静态形状、torch.compile）   内核是图里的算子 step14::block_matmul；
+      编译（第 4 级的配方：融合投影、SDPA、静态形状、torch.compile）   内核是图里的算子 step14::block_matmul
+                                                  （C++ 注册，图调用它不经过 Python；编不出来时是 Python 的退路，打印一行）；
       编译 + cpp_wrapper                          inductor 把调用内核的那层包装也生成成 C++（默认是 Python）：
                                                   每步调用一百多个内核 / 算子的 Python 开销没了。"""
     import torch._dynamo
     # 这几行各是 decode_step 的一次"重新编译"（模型不同、选项不同）：dynamo 默认每个函数最多 8 张，超过就悄悄退回 eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     fmts = ["f32"] + (["q4_1"] if s.path.resolve() == default_model_dir().resolve() else [])
+    kernels.graph_op()
+    if kernels.graph_op_kind() != "C++":
+        print(f"step14 的算子没有编成 C++（{kernels.graph_op_error()}）：编译的几行用 Python 的算子，每次调用多十几微秒")
     rows = []
     for fmt in fmts:
         def blocks():
@@ -358,6 +363,12 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         ll = stack.enter_context(llamacpp.open_llamacpp(llamacpp.gguf_files(s.path)["F32"], args.threads, P + n + 16))
         llama["F32"] = llamacpp_engine("llama.cpp F32（llama-server）", ll, True,
                                        s.cfg.kv_bytes_per_token(llamacpp.LlamaServer.kv_bytes))
+    if args.only:                          # 只跑名字匹配的几行；第 0 级的 plain 是比较 token 的参照，总在
+        def keep(e):
+            return re.search(args.only, e.name) is not None
+        ladder = ladder[:1] + [e for e in ladder[1:] if keep(e)]
+        lossy = [e for e in lossy if keep(e)]
+        llama = {k: e for k, e in llama.items() if keep(e)}
     engines = ladder + lossy + list(llama.values())
 
     # 预热（含编译），顺便拿到每个引擎的 token，与第 0 级（step03）比较
@@ -477,6 +488,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         if packed in step_s:
             figures["ratio_vs_llamacpp_f32[step03_packed]"] = round(step_s[base] / step_s[packed], 3)
         figures["ratio_vs_llamacpp_f32[best]"] = round(step_s[base] / step_s[best.name], 3)
+    if "F32" in llama and COMPILED_RUNG in step_s:
         figures["compiled_decode_ratio_vs_llamacpp_f32"] = round(step_s[base] / step_s[COMPILED_RUNG], 3)
         print(f"批 1：step03 编译（{COMPILED_RUNG}，{impl} 权重）对 llama.cpp F32 = "
               f"{figures['compiled_decode_ratio_vs_llamacpp_f32']:.2f}×（tokens/s 之比）")
@@ -791,6 +803,8 @@ def make_parser():
     p.add_argument("--modes", default=",".join(m for m in compiled_decode.MODES if m != compiled_decode.DEFAULT_MODE),
                    help="与默认编译模式并排比较的模式（批 1、批 8 两个桶），逗号分隔；--quick 时不比")
     p.add_argument("--no-batched", action="store_true", help="跳过第 5 部分（批处理引擎的编译 decode）")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="阶梯、有损的一档与 llama.cpp 只跑名字匹配 REGEX 的几行（第 0 级的 plain 总在：它是 token 的参照）")
     p.add_argument("--warm-cache", action="store_true",
                    help="用常驻的 inductor 磁盘缓存（默认：完整模式用一个新的空目录，量第一次编译的代价）")
     cli.add_linear_arg(p)                                     # 第 0 级总是 plain、packed 两行；它管第 1 级起与第 5 部分

@@ -124,7 +124,8 @@ class StepProfile:
 
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise",        # --linear packed 的矩阵乘（common/linear.py）
-              "step14::block_matmul")             # step14 的块内核（编译的图里是算子；eager 里要调用方标出来）
+              "step14::block_matmul",             # step14 的块内核（编译的图里是算子；eager 里要调用方标出来）
+              "step14::block_matmul_py")          # 同一个内核，C++ 的算子编不出来时的 Python 算子
 OP_PREFIXES = ("aten::", "mkldnn::", "step14::")  # 顶层的这些事件各算一个算子（step14::：step14 的 C++ 调用）
 COMPILED_GRAPH = "## Call CompiledFxGraph"   # torch.compile 的图在剖析器里的名字；它的子事件是图里的内核
 

@@ -36,6 +36,7 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{fmt} weight {tuple(packed.shape)} does not fit ({out_features}, {in_features})")
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.code, self.lib = kernels.FMT_CODE[fmt], kernels.library()
+        self.op = kernels.graph_op()               # torch.compile 的图里调用的算子（C++ 注册的，见 kernels.py）
         self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -48,8 +49,8 @@ class BlockLinear(nn.Module):
         K, N = self.in_features, self.out_features
         if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.shape[-1] != K:
             x = kernels.check_x(x.reshape(-1, x.shape[-1]), K).view(*x.shape)   # 形状不对、不是 CPU float32 时报错；否则拷成连续
-        if torch.compiler.is_compiling():          # torch.compile 追踪时：同一个内核，注册成算子（kernels.block_matmul_op）
-            return kernels.block_matmul_op(x.reshape(-1, K), self.packed, self.code, N, K).view(*x.shape[:-1], N)
+        if torch.compiler.is_compiling():          # torch.compile 追踪时：同一个内核，注册成算子（kernels.graph_op）
+            return self.op(x.reshape(-1, K), self.packed, self.code, N, K).view(*x.shape[:-1], N)   # (M, in) -> (M, out)
         # eager：直接 ctypes 调用，不经过算子分发（每次省十几微秒）；连续的 (..., in) 就是 (M, in)，不必先变形
         return kernels.matmul_unchecked(self.lib, self.code, x, self.packed, N, K)      # (..., in) -> (..., out)
 

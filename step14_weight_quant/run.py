@@ -17,7 +17,7 @@
 --fused-ops     eager 的融合路径（fused.py）：每层的 RMSNorm、残差相加 + RMSNorm、RoPE 各一次 C++ 调用，q/k/v 与
                 gate/up 的块各拼成一个；不加就是 common/model.py 原样
 --compile       step09 的引擎、decode 步编译成图（perf/compiled_decode.py）；我们的内核在图里是一个算子
-                （kernels.block_matmul_op），所以与 --weights、--linear ours 都能一起用（有损的 --activations q8 除外）
+                （kernels.graph_op：C++ 注册的 step14::block_matmul），所以与 --weights、--linear ours 都能一起用（有损的 --activations q8 除外）
 """
 import sys
 from pathlib import Path

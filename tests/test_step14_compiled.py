@@ -3,6 +3,7 @@
 真的调用了这个算子，贪心与带种子采样的 token 与 eager 相同；run.py 的 --compile 与 --linear ours 一起能用。
 编译用真正的 inductor（磁盘缓存见 perf/compiled_decode.py）；只有随机小模型：真实模型编一张图要一分钟以上。
 """
+import contextlib
 import json
 
 import numpy as np
@@ -27,30 +28,60 @@ TOL = MARGIN_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q4_1", "q8_0"])
-def test_op_equals_the_ctypes_call(lib, fmt, monkeypatch):
-    """同一个内核、同样的输入：算子（torch.ops.step14.block_matmul）与 ctypes 调用逐位相同；
-    opcheck 查 register_fake 给的形状与 dtype 与真实结果一致（编译器靠它推形状）。
-    eager 的 BlockLinear 不经过算子，直接调 ctypes（算子分发每次多十几微秒，见 kernels.block_matmul_op 的说明）。"""
+def test_op_equals_the_ctypes_call(lib, fmt):
+    """同一个内核、同样的输入：C++ 注册的算子 step14::block_matmul（这台机器有编译器和 PyTorch 的头文件，必须编得出来）
+    与它的 Python 退路 step14::block_matmul_py，都与 ctypes 调用逐位相同，线程数照传；opcheck 查 register_fake 给的
+    形状与 dtype 与真实结果一致（编译器靠它推形状）。"""
     N, K = 40, 96                                                # N 不是 16 的倍数：最后一个行组补齐过
     if fmt == "f32":
         packed = repack_f32(torch.randn(K, N))
     else:
         packed = repack_blocks(QuantTensor(fmt, random_blocks(fmt, N, K), N, K))
     code = kernels.FMT_CODE[fmt]
+    op = kernels.graph_op()
+    assert kernels.graph_op_kind() == "C++", kernels.graph_op_error()
+    kernels._register_python_op()
     for M in (1, 3, 16):
         x = torch.randn(M, K)
         want = kernels.matmul_unchecked(lib, code, x, packed, N, K)
-        got = torch.ops.step14.block_matmul(x, packed, code, N, K)
-        assert got.shape == (M, N) and torch.equal(got, want), (fmt, M)
-        torch.library.opcheck(kernels.block_matmul_op, (x, packed, code, N, K),
-                              test_utils=("test_schema", "test_faketensor"))
+        for o in (op, torch.ops.step14.block_matmul_py):
+            for threads in (1, 2):                              # 线程数跟着 torch.set_num_threads（C++ 里 omp_get_max_threads）
+                with torch_threads(threads):
+                    got = o(x, packed, code, N, K)
+                assert got.shape == (M, N) and torch.equal(got, want), (o, fmt, M, threads)
+            torch.library.opcheck(o.default, (x, packed, code, N, K), test_utils=("test_schema", "test_faketensor"))
+        got = op(x.t().contiguous().t(), packed, code, N, K)   # 不连续的 x：算子自己先拷成连续
+        assert torch.equal(got, want)
 
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_op_uses_torchs_thread_count(lib):
+    """C++ 的算子用 omp_get_max_threads()：与 torch.get_num_threads() 是同一个数（同一个 OpenMP 运行库）。"""
+    import ctypes
+    omp = ctypes.CDLL("libgomp.so.1")                           # 已经加载的那一个（PyTorch 带的）
+    for n in (1, 2, 3):
+        with torch_threads(n):
+            assert omp.omp_get_max_threads() == torch.get_num_threads() == n
+
+
+def test_eager_block_linear_calls_ctypes_not_the_op(lib):
+    """eager 的 BlockLinear 不经过算子，直接做 ctypes 调用（分发器每次多几微秒，见 kernels.py 的说明）。"""
     def boom(*a):
         raise AssertionError("eager BlockLinear called the op")
-    m = BlockLinear(fmt, packed, K, N)
+    N, K = 40, 96
+    m = BlockLinear("f32", repack_f32(torch.randn(K, N)), K, N)
     x = torch.randn(2, 3, K)
-    want = kernels.matmul_unchecked(lib, code, x.reshape(6, K), packed, N, K).view(2, 3, N)
-    monkeypatch.setattr(kernels, "block_matmul_op", boom)
+    want = kernels.matmul_unchecked(lib, 0, x.reshape(6, K), m.packed, N, K).view(2, 3, N)
+    m.op = boom
     assert torch.equal(m(x), want)
 
 
@@ -65,7 +96,7 @@ def tiny_q4_1(tmp_path_factory):
     return model
 
 
-def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1, monkeypatch):
+def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1):
     """perf/compiled_decode.py 的桶 1、2：step05 引擎 eager 与编译的输出相同（贪心与带种子的采样）；
     dynamo 每个桶一张图、没有断裂（fullgraph=True：有断裂就报错）；图里的矩阵乘确实走 step14 的内核。"""
     from torch._dynamo.utils import counters
@@ -77,14 +108,6 @@ def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1, monkeyp
     wrapper.warm_up(probe.kv_cache.pool, progress=False)
     assert sum(counters["graph_break"].values()) == breaks
 
-    calls = []
-    unchecked = kernels.matmul_unchecked
-
-    def spy(*a):
-        calls.append(a[1])
-        return unchecked(*a)
-    monkeypatch.setattr(kernels, "matmul_unchecked", spy)       # 算子的实现经过这里；eager 的 BlockLinear 也是
-
     rng = np.random.default_rng(1)
     reqs = [Request([int(t) for t in rng.integers(2, 256, n)], new, p, ignore_eos=True)
             for n, new, p in [(5, 14, SamplingParams()), (9, 10, SamplingParams(temperature=0.9, top_k=30, seed=3))]]
@@ -93,12 +116,16 @@ def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1, monkeyp
         e = step05.LLMEngine(model, step05.EngineConfig(32, 4, 2))
         if kind == "compiled":
             cd.compile_engine(e, compiled=wrapper, progress=False)
-            calls.clear()
-        outs[kind] = e.generate([Request(r.prompt_ids, r.max_new_tokens, r.params, ignore_eos=True) for r in reqs])
+            with torch.profiler.profile() as prof:              # 图里调用的算子，剖析器看得见（eager 的 ctypes 调用看不见）
+                outs[kind] = e.generate([Request(r.prompt_ids, r.max_new_tokens, r.params, ignore_eos=True)
+                                         for r in reqs])
+        else:
+            outs[kind] = e.generate([Request(r.prompt_ids, r.max_new_tokens, r.params, ignore_eos=True) for r in reqs])
     assert {b: st.calls > 0 for b, st in wrapper.stats.items()} == {1: True, 2: True}
     per_forward = 2 * 7 + 1                                     # 2 层 × 7 个投影 + lm_head
     graph_steps = sum(st.calls for st in wrapper.stats.values())
-    assert len(calls) >= graph_steps * per_forward             # 编译的步里每个投影一次内核调用
+    op_calls = sum(1 for ev in prof.events() if ev.name == "step14::block_matmul")
+    assert op_calls == graph_steps * per_forward               # 编译的步里每个投影一次，都是 C++ 的算子
     full = lambda ids: model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]   # noqa: E731
     for r, a, b in zip(reqs, outs["eager"].outputs, outs["compiled"].outputs):
         c = compare("compiled", r.prompt_ids, a, b, full, TOL)
