@@ -53,6 +53,33 @@ def test_op_equals_the_ctypes_call(lib, fmt):
         got = op(x.t().contiguous().t(), packed, code, N, K)   # 不连续的 x：算子自己先拷成连续
         assert torch.equal(got, want)
 
+    def boom(*a):
+        raise AssertionError("eager BlockLinear called the op")
+    m = BlockLinear(fmt, packed, K, N)
+    assert m.op is op
+    m.op = boom                                                 # eager 不经过算子：直接做 ctypes 调用（见 kernels.py）
+    x = torch.randn(2, 3, K)
+    assert torch.equal(m(x), kernels.matmul_unchecked(lib, code, x.reshape(6, K), packed, N, K).view(2, 3, N))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_op_uses_torchs_thread_count(lib):
+    """C++ 的算子用 omp_get_max_threads()：与 torch.get_num_threads() 是同一个数（同一个 OpenMP 运行库）。"""
+    import ctypes
+    omp = ctypes.CDLL("libgomp.so.1")                           # 已经加载的那一个（PyTorch 带的）
+    for n in (1, 2, 3):
+        with torch_threads(n):
+            assert omp.omp_get_max_threads() == torch.get_num_threads() == n
+
 
 @contextlib.contextmanager
 def torch_threads(n: int):
