@@ -81,37 +81,6 @@ def test_op_uses_torchs_thread_count(lib):
             assert omp.omp_get_max_threads() == torch.get_num_threads() == n
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_op_uses_torchs_thread_count(lib):
-    """C++ 的算子用 omp_get_max_threads()：与 torch.get_num_threads() 是同一个数（同一个 OpenMP 运行库）。"""
-    import ctypes
-    omp = ctypes.CDLL("libgomp.so.1")                           # 已经加载的那一个（PyTorch 带的）
-    for n in (1, 2, 3):
-        with torch_threads(n):
-            assert omp.omp_get_max_threads() == torch.get_num_threads() == n
-
-
-def test_eager_block_linear_calls_ctypes_not_the_op(lib):
-    """eager 的 BlockLinear 不经过算子，直接做 ctypes 调用（分发器每次多几微秒，见 kernels.py 的说明）。"""
-    def boom(*a):
-        raise AssertionError("eager BlockLinear called the op")
-    N, K = 40, 96
-    m = BlockLinear("f32", repack_f32(torch.randn(K, N)), K, N)
-    x = torch.randn(2, 3, K)
-    want = kernels.matmul_unchecked(lib, 0, x.reshape(6, K), m.packed, N, K).view(2, 3, N)
-    m.op = boom
-    assert torch.equal(m(x), want)
-
-
 @pytest.fixture(scope="module")
 def tiny_q4_1(tmp_path_factory):
     """随机小模型（tie）、它的 Q4_1 GGUF，以及换上这些块的模型（投影 Q4_1，词嵌入与 lm_head 共用 Q8_0）。"""
