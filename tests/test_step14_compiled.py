@@ -4,6 +4,7 @@
 编译用真正的 inductor（磁盘缓存见 perf/compiled_decode.py）；只有随机小模型：真实模型编一张图要一分钟以上。
 """
 import contextlib
+import ctypes
 import json
 
 import numpy as np
@@ -40,6 +41,10 @@ def test_op_equals_the_ctypes_call(lib, fmt):
     code = kernels.FMT_CODE[fmt]
     op = kernels.graph_op()
     assert kernels.graph_op_kind() == "C++", kernels.graph_op_error()
+    omp = ctypes.CDLL("libgomp.so.1")       # 进程里已经加载的那一个（PyTorch 带的）：C++ 的算子用它的 omp_get_max_threads()
+    for n in (1, 3):
+        with torch_threads(n):
+            assert omp.omp_get_max_threads() == torch.get_num_threads() == n
     kernels._register_python_op()
     for M in (1, 3, 16):
         x = torch.randn(M, K)
@@ -70,15 +75,6 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def test_op_uses_torchs_thread_count(lib):
-    """C++ 的算子用 omp_get_max_threads()：与 torch.get_num_threads() 是同一个数（同一个 OpenMP 运行库）。"""
-    import ctypes
-    omp = ctypes.CDLL("libgomp.so.1")                           # 已经加载的那一个（PyTorch 带的）
-    for n in (1, 2, 3):
-        with torch_threads(n):
-            assert omp.omp_get_max_threads() == torch.get_num_threads() == n
 
 
 @pytest.fixture(scope="module")
