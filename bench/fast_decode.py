@@ -23,6 +23,7 @@ from common.model import MLP, Attention, Linear, apply_rope, attention, causal_m
 from step02_sampling.sampler import SamplingParams, sample
 from step03_kvcache_single.cache import PreallocKVCache
 from step03_kvcache_single.engine import forward
+from step14_weight_quant.linear import BlockLinear, fuse_block_linears
 
 
 # ---------------------------------------------------------------- 0. 融合投影
@@ -30,7 +31,13 @@ from step03_kvcache_single.engine import forward
 
 def fused_linear(parts: list[Linear]) -> Linear:
     """几个输入相同的 Linear 沿输出维拼成一个：(in, out_1), (in, out_2), ... -> (in, out_1 + out_2 + ...)。
-    一次矩阵乘读完全部权重，输出按列切回几份，每一列的数学与分开算时相同。"""
+    一次矩阵乘读完全部权重，输出按列切回几份，每一列的数学与分开算时相同。
+    step14 的 BlockLinear 也行：行组接在一起（step14_weight_quant/linear.py 的 fuse_block_linears）。"""
+    if all(isinstance(p, BlockLinear) for p in parts):
+        fused = fuse_block_linears(parts)
+        if fused is None:
+            raise ValueError(f"cannot fuse {[p.extra_repr() for p in parts]} (see fuse_block_linears)")
+        return fused
     with torch.no_grad():
         w = torch.cat([dense_weight(p) for p in parts], dim=1)              # (in, Σ out_i)
         fused = Linear(w.shape[0], w.shape[1], bias=parts[0].bias is not None)

@@ -20,7 +20,7 @@
 只测量，不断言。表头与结尾印机器与 load avg（开始与结束）：负载高时时间不可信，比值也可能变。--quick：1 轮、
 第 5 部分只有长键的 schema（批 8 用 4 个提示词、批 1 用 1 个）、不量 outlines-core 在大语法上的 Index、不算"全部状态"。
 --json 最后打印一行 JSON。
-目标（issue 44）：热的掩码 + 铺掩码 ≤ 批 8 一次 decode 的 5 %；固定键的 schema 上 jump-forward ≥ 不跳的 1.3 倍 token/s。
+目标（第 15 章）：热的掩码 + 铺掩码 ≤ 批 8 一次 decode 的 5 %；固定键的 schema 上 jump-forward ≥ 不跳的 1.3 倍 token/s。
 """
 import argparse
 import json

@@ -65,9 +65,17 @@ def weight_bytes_per_step(model, rows: int = 1) -> int:
 
     约定（全仓库只此一处）：每个参数都读一遍——各层的投影矩阵、RMSNorm 的向量、LM head 的整张 (E, V) 矩阵
     （对全部 V 个词打分，一个不少）；词嵌入表例外：查表只读 rows 行（每行 E 个数），不是整张表。
-    tie 的模型里 lm_head 是嵌入表的转置副本（common/weights.py），按整张矩阵算。"""
-    emb = model.embed_tokens.weight
-    return sum(p.nbytes for p in model.parameters()) - emb.nbytes + rows * emb[0].nbytes
+    tie 的模型里 lm_head 是嵌入表的转置副本（common/weights.py），按整张矩阵算。
+    权重也可以是缓冲区（step14 换上的块：BlockLinear / BlockEmbedding 的 packed），同一个张量只算一次；
+    嵌入表与 lm_head 共用同一份块时（step14 的 tie），lm_head 整张读，查表不另算。"""
+    buffers = {b.data_ptr(): b.nbytes for b in model.buffers()}
+    total = sum(p.nbytes for p in model.parameters()) + sum(buffers.values())
+    emb = model.embed_tokens
+    table = emb.weight if isinstance(emb, torch.nn.Embedding) else emb.packed
+    if not isinstance(emb, torch.nn.Embedding) and getattr(model.lm_head, "packed", None) is not None \
+            and model.lm_head.packed.data_ptr() == table.data_ptr():
+        return total
+    return total - table.nbytes + rows * table.nbytes // emb.num_embeddings
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,10 @@ class StepProfile:
 
 
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int8pack_mm",
-              "mkldnn::_linear_pointwise")        # 最后一个：--linear packed 的矩阵乘（common/linear.py）
+              "mkldnn::_linear_pointwise",        # --linear packed 的矩阵乘（common/linear.py）
+              "step14::block_matmul",             # step14 的块内核（编译的图里是算子；eager 里要调用方标出来）
+              "step14::block_matmul_py")          # 同一个内核，C++ 的算子编不出来时的 Python 算子
+OP_PREFIXES = ("aten::", "mkldnn::", "step14::")  # 顶层的这些事件各算一个算子（step14::：step14 的 C++ 调用）
 COMPILED_GRAPH = "## Call CompiledFxGraph"   # torch.compile 的图在剖析器里的名字；它的子事件是图里的内核
 
 
@@ -133,7 +144,7 @@ def profile_steps(fn, steps: int) -> StepProfile:
 
     def is_op(e):
         if e.cpu_parent is None:
-            return e.name.startswith(("aten::", "mkldnn::"))
+            return e.name.startswith(OP_PREFIXES)
         return e.cpu_parent.name.startswith(COMPILED_GRAPH)
 
     calls = sum(1 for e in prof.events() if is_op(e)) / steps

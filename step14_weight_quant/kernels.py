@@ -347,6 +347,51 @@ extern "C" void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
   for (int64_t i = 0; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
+// ---- 几个小算子（fused.py 的 eager 融合路径）：每个一次调用做完 PyTorch 要发好几个算子才做完的事 ----
+// 都是单线程：decode 时每个只有几百个数，开线程的代价比算本身大。T 行，每行之间跳 stride 个 float。
+
+static inline float sum_squares(const float* x, int64_t n) {
+  float acc[16] = {0};                                         // 16 个部分和：编译器能把这个循环向量化
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// RMSNorm（common/model.py 的 RMSNorm，float32）：y = w · (x / sqrt(mean(x²) + eps))。代替 pow、mean、add、rsqrt、mul、mul
+// 和两次 to 共 8 个算子。residual 不为空时先 h += residual（残差相加，原地写进 h），再对 h 做 RMSNorm：再省一个 add
+extern "C" void rms_norm(float* h, const float* residual, const float* w, float* y, int64_t T, int64_t E, float eps) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* x = h + t * E;
+    if (residual)
+      for (int64_t e = 0; e < E; ++e) x[e] = residual[t * E + e] + x[e];
+    const float r = 1.0f / std::sqrt(sum_squares(x, E) / (float)E + eps);
+    for (int64_t e = 0; e < E; ++e) y[t * E + e] = w[e] * (x[e] * r);
+  }
+}
+
+// RoPE（common/model.py 的 apply_rope），原地：x 是 (T, heads, D) 的一行行（行距 stride 个 float），cos/sin (T, D)。
+// 第 i 对 (x_i, x_{i+D/2}) 转 pos·θ_i：x_i·cos − x_{i+D/2}·sin，x_{i+D/2}·cos + x_i·sin。
+// 代替 PyTorch 的 x·cos + rotate_half(x)·sin：切两半、取负、拼接、两次乘、一次加，q 和 k 各一遍
+// 不许编译器把 a·c − b·s 合成一条 FMA（少一次舍入）：与 PyTorch 先乘、再加的结果逐位相同
+extern "C" __attribute__((optimize("fp-contract=off")))
+void rope(float* x, int64_t stride, int64_t T, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + t * stride + h * D;
+      const float *c = cos + t * D, *s = sin + t * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+}
+
 // ---- 有损的一级：llama.cpp 的做法。激活先量化成 8 位（Q8_1），再与 Q4_1 的 4 位权重做整数点积 ----
 // 激活每 32 个一块：dy = max|x| / 127，qy = round(x / dy) ∈ [-127, 127]，sy = dy·Σqy。一块的点积
 //   Σ_j (dx·qx_j + mx)·(dy·qy_j) = dx·dy·Σ_j qx_j·qy_j + mx·sy
@@ -440,8 +485,10 @@ extern "C" void q4_1_q8_1_matmul(const float* x, const uint8_t* w, float* y, int
 """
 
 
-# 编译：step05 的那一套（编译器、选项、按 CPU 的缓存键）；extra_flags 给测试编别的指令集版本用
-def build_kernel(extra_flags: tuple = (), directory: Optional[Path] = None) -> Path:
+# 编译：step05 的那一套（编译器、选项、按 CPU 的缓存键）；extra_flags 给测试编别的指令集版本用。
+# source / stem / link：编算子库（build_op_library）时换成另一份源码、另一个文件名，链接选项放在源文件之后
+def build_kernel(extra_flags: tuple = (), directory: Optional[Path] = None, source: str = KERNEL_SOURCE,
+                 stem: str = "block_matmul", link: tuple = ()) -> Path:
     directory = Path(directory) if directory is not None else kernel_dir()
     cxx = _compiler()
     flags = [*CXXFLAGS, *extra_flags]
@@ -449,16 +496,17 @@ def build_kernel(extra_flags: tuple = (), directory: Optional[Path] = None) -> P
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cxx} --version failed: {e}") from None
-    key = hashlib.sha256("\0".join([KERNEL_SOURCE, " ".join(flags), cxx, version, _cpu_identity()]).encode())
-    lib = directory / f"block_matmul_{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([source, " ".join(flags + list(link)), cxx, version, _cpu_identity()]).encode())
+    lib = directory / f"{stem}_{key.hexdigest()[:16]}.so"
     if lib.is_file():
         return lib
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        src, tmp_lib = Path(tmp) / "block_matmul.cpp", Path(tmp) / "block_matmul.so"
-        src.write_text(KERNEL_SOURCE)
+        src, tmp_lib = Path(tmp) / f"{stem}.cpp", Path(tmp) / f"{stem}.so"
+        src.write_text(source)
         try:
-            r = subprocess.run([cxx, *flags, str(src), "-o", str(tmp_lib)], capture_output=True, text=True, timeout=600)
+            r = subprocess.run([cxx, *flags, str(src), "-o", str(tmp_lib), *link], capture_output=True, text=True,
+                               timeout=600)
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelBuildError(f"{cxx} failed: {e}") from None
         if r.returncode != 0:
@@ -479,6 +527,10 @@ def load_library(extra_flags: tuple = ()) -> ctypes.CDLL:
     lib.q4_1_q8_1_matmul.restype = None
     lib.halves_to_floats.argtypes = [P, P, I64]
     lib.halves_to_floats.restype = None
+    lib.rms_norm.argtypes = [P, P, P, P, I64, I64, ctypes.c_float]
+    lib.rms_norm.restype = None
+    lib.rope.argtypes = [P, I64, I64, I64, I64, P, P]
+    lib.rope.restype = None
     lib.isa.restype = I
     return lib
 
@@ -544,10 +596,103 @@ def matmul(fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, l
 
 
 def matmul_unchecked(lib, code: int, x: torch.Tensor, packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """matmul 去掉检查（BlockLinear 在构造时查过 packed，每次调用只查 x）：decode 一步两百多次调用，每次省十几微秒。"""
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    lib.block_matmul(code, x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], N, K, torch.get_num_threads())
+    """matmul 去掉检查（BlockLinear 在构造时查过 packed，每次调用只查 x）：decode 一步两百多次调用，每次省十几微秒。
+    x 是连续的 (..., K) 就行：前面几维合起来就是 M 行，y 直接按 (..., N) 分配（省掉前后两次变形，各是一个算子）。"""
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    lib.block_matmul(code, x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // K, N, K, torch.get_num_threads())
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile 看到的矩阵乘：同一个内核注册成 PyTorch 算子 step14::block_matmul
+# ---------------------------------------------------------------------------------------------------------------
+# 为什么要算子：dynamo 追踪不进 ctypes 调用（没有张量语义），整步会断成几百张图；注册成算子，编译器在图里只调用它，
+# 形状从 register_fake 得知，不往里看（与 common/linear.py 的 packed_linear、perf/compiled_decode.py 的 write_kv_
+# 同一个办法）。
+# 为什么在 C++ 里注册：用 torch.library.custom_op 注册的 Python 算子，每次调用要从分发器回到 Python 再进 ctypes，
+# 一次十几微秒；decode 一步一百多次调用，就是好几毫秒——编译的图本来就是为了把 Python 拿掉。OP_SOURCE 用 PyTorch
+# 的"稳定 ABI"（torch/csrc/stable：只有 C 接口的薄头文件，几秒就编完）把同一个内核注册进分发器：图里（inductor 生成
+# 的 Python 包装，或 cpp_wrapper 生成的 C++ 包装）调用它，一路都是 C++。编不出来（没有 PyTorch 的头文件）时退回
+# Python 写的同名算子（block_matmul_py），数一样，只是慢（graph_op_kind() 说是哪一个）。
+# eager 不经过算子：BlockLinear.matmul 直接做 ctypes 调用（经过分发器多几微秒，Python 算子多十几微秒）。
+# 线程数：与 eager 一样是 PyTorch 此刻用的线程数——C++ 里是 omp_get_max_threads()，torch.get_num_threads() 返回的就是它
+# （PyTorch 与这个库用同一个 OpenMP 运行库：同名的 libgomp.so.1 只加载一次）。
+
+OP_SCHEMA = "block_matmul(Tensor x, Tensor packed, int code, int N, int K) -> Tensor"
+
+OP_SOURCE = r"""
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <omp.h>
+
+// x (M, K) 连续的 CPU float32，packed 是 BlockLinear 查过的块 → y (M, N)；与 Python 里 ctypes 调的是同一个函数
+static torch::stable::Tensor block_matmul_op(torch::stable::Tensor x, torch::stable::Tensor packed, int64_t code,
+                                             int64_t N, int64_t K) {
+  x = torch::stable::contiguous(x);                          // 已经连续时不拷
+  const int64_t M = x.numel() / K;
+  torch::stable::Tensor y = torch::stable::new_empty(x, {M, N});
+  block_matmul((int)code, (const float*)x.const_data_ptr(), (const uint8_t*)packed.const_data_ptr(),
+               (float*)y.mutable_data_ptr(), M, N, K, omp_get_max_threads());
+  return y;
+}
+
+STABLE_TORCH_LIBRARY(step14, m) { m.def("%s"); }
+STABLE_TORCH_LIBRARY_IMPL(step14, CPU, m) { m.impl("block_matmul", TORCH_BOX(&block_matmul_op)); }
+""" % OP_SCHEMA
+
+
+def build_op_library() -> Path:
+    """KERNEL_SOURCE + OP_SOURCE 编成一个算子库：带上 PyTorch 的头文件与库（缓存键里有 PyTorch 的版本）。"""
+    root = Path(torch.__file__).resolve().parent
+    link = (f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}")
+    return build_kernel((f"-I{root / 'include'}",), source=KERNEL_SOURCE + OP_SOURCE + f"// torch {torch.__version__}\n",
+                        stem="block_matmul_op", link=link)
+
+
+_op_kind: Optional[str] = None
+_op_error: Optional[str] = None
+
+
+def graph_op():
+    """编译的图里调用的算子（第一次调用时编译 / 加载 C++ 的算子库，不行就注册 Python 的）。BlockLinear 构造时调用：
+    dynamo 追踪时只拿现成的算子，不在追踪里编译。"""
+    global _op_kind, _op_error
+    if _op_kind is None:
+        try:
+            torch.ops.load_library(str(build_op_library()))
+            torch.library.register_fake("step14::block_matmul")(_fake)
+            _op_kind = "C++"
+        except (KernelBuildError, OSError, RuntimeError) as e:
+            _op_error = str(e).splitlines()[0][:300]
+            _register_python_op()
+            _op_kind = "Python"
+    return torch.ops.step14.block_matmul if _op_kind == "C++" else torch.ops.step14.block_matmul_py
+
+
+def graph_op_kind() -> Optional[str]:
+    """"C++"、"Python"（C++ 的编不出来：原因见 graph_op_error()）或 None（还没用过）。"""
+    return _op_kind
+
+
+def graph_op_error() -> Optional[str]:
+    return _op_error
+
+
+def _fake(x, packed, code, N, K):
+    return x.new_empty(x.shape[0], N)                                   # (M, K) -> (M, N)
+
+
+def _register_python_op() -> None:
+    """退路：同一个内核写成 Python 的算子（ctypes 调用）。"""
+    if hasattr(torch.ops.step14, "block_matmul_py"):
+        return
+
+    @torch.library.custom_op("step14::block_matmul_py", mutates_args=())
+    def block_matmul_py(x: torch.Tensor, packed: torch.Tensor, code: int, N: int, K: int) -> torch.Tensor:
+        return matmul_unchecked(library(), code, x.contiguous(), packed, N, K)
+
+    block_matmul_py.register_fake(_fake)
 
 
 def matmul_naive(fmt: str, x: torch.Tensor, w, lib=None) -> torch.Tensor:

@@ -61,6 +61,15 @@ def single_thread_for_tiny_models(request):
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def lib():
+    """step14 的 C++ 内核库（step14_weight_quant/kernels.py；第一次编译，之后从缓存加载）。编不出来就是测试失败。"""
+    from step14_weight_quant import kernels
+    if not kernels.kernel_available():
+        pytest.fail(f"kernel build failed: {kernels.kernel_build_error()}")
+    return kernels.library()
+
+
 _REAL: list = []   # real 夹具建好的 Session：进程内的 run_py 用默认模型时复用它（reuse_real_model）
 
 

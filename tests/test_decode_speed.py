@@ -173,15 +173,17 @@ def test_bench_runs_without_llama_cpp(linear, tiny_tok_dir, monkeypatch, capsys)
         assert 0 < figures[f"matmul_share[{name}]"] and figures[f"matmul_ms[{name}]"] > 0, name
         assert f"other_ms[{name}]" in figures and f"tok_s[{name}]" in figures, name
     assert figures["packed_speedup[step03]"] > 0
+    # step14 的块内核（ours_engines）：小模型没有 GGUF，只有 float32 的四行；eager 里的 ctypes 调用也剖析得到
+    ours = [n for n in result["checks"] if n.startswith("ours f32")]
+    assert len(ours) == 4, ours
+    for name in ours:
+        assert figures[f"ops_per_step[{name}]"] > 0 and figures[f"matmul_ms[{name}]"] > 0, name
     for name in ("compiled_step_speedup_b8", "compiled_throughput_ratio_b8_vs_eager", "compiled_graphs",
                  "compile_rss_mib", "decode_step_ms_b1[eager]", "engine_tok_s_b8[compiled]"):
         assert name in figures, name
     # packed 时批处理部分再并排 plain 权重的 eager；plain 时没有这一列
     assert ("packed_step_speedup_b8" in figures) == (impl == "packed")
     assert ("decode_step_ms_b1[eager@plain]" in figures) == (impl == "packed")
-    # step14 的块内核那一行（eager）：与 step03 逐 token 比过；小模型没有 GGUF，没有 q4_1 那一行
-    assert decode_speed.OURS14["f32"] in result["checks"] and decode_speed.OURS14["q4_1"] not in result["checks"]
-    assert f"tok_s[{decode_speed.OURS14['f32']}]" in figures and "没有转换来源的 GGUF" in out
 
 
 def test_llama_server_backend_drives_completion_and_reads_tokens_and_timings(monkeypatch, tmp_path):
@@ -247,17 +249,20 @@ def test_llama_server_rows_are_f32_and_the_shipped_q4_1(monkeypatch, tmp_path, c
     assert decode_speed.tokens_only_verdict([5, 6, 0, 9], [5, 8, 3, 3], [0]) == "有损：第 1 个起不同"
 
 
-def test_step14_summary_ratios():
-    """ours 的 ms/步与对 llama.cpp F32、Q4_1 的 tokens/s 之比（> 1 = 我们快）；没有 llama.cpp 时只有 ms/步。"""
+def test_ours_summary_ratios():
+    """step14 的几行对同一份文件的 llama.cpp：float32 权重对 F32、Q4_1 对 Q4_1 的 tokens/s 之比（> 1 = 我们快）；
+    没有对应的 llama.cpp 行时不报。"""
     from bench import decode_speed
-    ours = [decode_speed.Engine(name, None, None, True, None) for name in decode_speed.OURS14.values()]
     llama = {"F32": decode_speed.Engine("llama.cpp F32", None, None, True, None),
              "Q4_1": decode_speed.Engine("llama.cpp Q4_1", None, None, False, None)}
-    step_s = {ours[0].name: 0.020, ours[1].name: 0.010, "llama.cpp F32": 0.030, "llama.cpp Q4_1": 0.005}
-    f = decode_speed.step14_summary(step_s, ours, llama)
-    assert f["decode_ms[ours_q4_1]"] == 10.0 and f["ratio_vs_llamacpp_f32[ours_q4_1]"] == 3.0
-    assert f["ratio_vs_llamacpp_q4_1[ours_q4_1]"] == 0.5 and f["ratio_vs_llamacpp_f32[ours_f32]"] == 1.5
-    assert decode_speed.step14_summary(step_s, ours, {}) == {"decode_ms[ours_f32]": 20.0, "decode_ms[ours_q4_1]": 10.0}
+    step_s = {"ours f32（step03）": 0.020, "ours q4_1（step03）": 0.010, "ours q4_1 + 融合小算子（step03）": 0.004,
+              "llama.cpp F32": 0.030, "llama.cpp Q4_1": 0.005}
+    f = decode_speed.ours_summary(step_s, llama)
+    assert f["ratio_vs_llamacpp_f32[ours f32（step03）]"] == 1.5
+    assert f["ratio_vs_llamacpp_q4_1[ours q4_1（step03）]"] == 0.5
+    assert f["ratio_vs_llamacpp_q4_1[ours q4_1 + 融合小算子（step03）]"] == 1.25
+    assert "ratio_vs_llamacpp_f32[ours q4_1（step03）]" not in f
+    assert decode_speed.ours_summary(step_s, {}) == {}
 
 
 def test_llama_server_runs_the_shipped_q4_1_file():

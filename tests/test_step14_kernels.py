@@ -55,13 +55,6 @@ def assert_matmul_close(y: torch.Tensor, x: torch.Tensor, W: torch.Tensor, what:
     matmul_checker(x, W)(y, what)
 
 
-@pytest.fixture(scope="module")
-def lib():
-    if not kernels.kernel_available():
-        pytest.fail(f"kernel build failed: {kernels.kernel_build_error()}")
-    return kernels.library()
-
-
 # ---------------------------------------------------------------- 格式：解码与重排
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
