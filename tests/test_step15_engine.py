@@ -11,7 +11,9 @@
 - jump-forward：分词与结尾的退回（llguidance 的规则）、强制的 EOS、不超过 max_new_tokens、跨好几块的追加（小块），
   前向次数变少；关掉时每个 token 都采样；
 - 分块 prefill、前缀缓存、抢占照常：同样的约束请求在小预算、小池子里输出相同，结束后块全部还回来；
-- logprobs 是铺了掩码之后的分布（vLLM 的 raw_logprobs 同样取自铺过掩码的 logits）。
+- logprobs 是铺了掩码之后的分布（vLLM 的 raw_logprobs 同样取自铺过掩码的 logits）；
+- jump-forward 与不跳的关系（chapter.jump_relation：强制的几段按分词器的切法，其余是铺了掩码的贪心，分歧只在强制的 token
+  上）：随机小模型与真实模型上成立，换掉一个采样的 token、拆开一个强制的 token、在采样处分岔时判为不成立。
 """
 import json
 import re
