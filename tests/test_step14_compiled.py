@@ -89,14 +89,15 @@ def tiny_q4_1(tmp_path_factory):
 
 
 def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1):
-    """perf/compiled_decode.py 的桶 1、2：step05 引擎 eager 与编译的输出相同（贪心与带种子的采样）；
-    dynamo 每个桶一张图、没有断裂（fullgraph=True：有断裂就报错）；图里的矩阵乘确实走 step14 的内核。"""
+    """perf/compiled_decode.py 的桶 1、2（--compile cpp-wrapper：包装也是 C++；默认模式由下面 run.py 的测试覆盖）：
+    step05 引擎 eager 与编译的输出相同（贪心与带种子的采样）；dynamo 每个桶一张图、没有断裂（fullgraph=True：
+    有断裂就报错）；图里的矩阵乘确实是 C++ 注册的 step14 算子，每个投影每步一次。"""
     from torch._dynamo.utils import counters
     model = tiny_q4_1
     breaks = sum(counters["graph_break"].values())
     probe = step05.LLMEngine(model, step05.EngineConfig(32, 4, 2))
     cd.use_inductor_cache_dir()
-    wrapper = cd.CompiledDecodeModel(model, (1, 2), cd.block_table_width(probe))
+    wrapper = cd.CompiledDecodeModel(model, (1, 2), cd.block_table_width(probe), "cpp-wrapper")
     wrapper.warm_up(probe.kv_cache.pool, progress=False)
     assert sum(counters["graph_break"].values()) == breaks
 
