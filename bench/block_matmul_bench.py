@@ -4,9 +4,15 @@
 
 第 1 部分（内核）：模型里每种投影的形状 × M = 1, 2, 4, 8, 16，每种实现读权重的速度（GB/s = 权重字节 ÷ 每次调用的时间）
 与它占同次带宽的比例：
+  plain x@W       --linear plain（MKL 的 sgemm，float32 (in, out)）
   oneDNN packed   项目现在的线性层（common/linear.py 的 packed，float32）
   ours f32        我们的内核，float32 权重按 16 行一组重排（formats.repack_f32）
-  ours q4_1       我们的内核，Q4_1 块（lm_head 那一行是 Q8_0：发布的文件里它就是 Q8_0）
+  ours q8_0       我们的内核，Q8_0 块（--weights q8_0；发布的文件里 lm_head 就是 Q8_0）
+  ours q4_1       我们的内核，Q4_1 块（投影；lm_head 在文件里是 Q8_0，那一行没有 q4_1）
+  torch int8      aten._weight_int8pack_mm：int8 权重、每个输出通道一个缩放（附录的 int8 一级；有损，表示不了 Q8_0）
+  torch int4      aten._weight_int4pack_mm_for_cpu：同一组 Q4_1 的数（scale = d、zero = m + 8d），float32 激活
+                  （它的向量化内核只有 bf16；float32 走标量循环，慢：只量 M = 1、2）
+最后一段是目标的汇总：ours f32 在每种形状、每个 M 上占带宽的最低比例（第 14 章的目标是 ≥ 80%）。
 每种形状复制多份、总量 ≥ 64 MiB（--quick 32 MiB），放不进 L3，和真实 decode 一样从内存读。数据是随机的块（速度与数值无关）。
 第 2 部分（端到端）：真实默认模型的四种加载——float32 packed（默认）、ours f32、ours q4_1、有损的 q4_1 × Q8_1——
 step03 的贪心 decode，每步毫秒数（去掉 prefill 的中位数），轮流跑 rounds 轮；并报告贪心 token 是否与 float32 packed
@@ -14,6 +20,7 @@ step03 的贪心 decode，每步毫秒数（去掉 prefill 的中位数），轮
 只测量，不断言。表头印出 load avg：机器有别的负载时数字不可信。
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -50,22 +57,45 @@ def copies_for(nbytes: int, total: int) -> int:
     return max(1, -(-total // nbytes))
 
 
-def kernel_table(total_bytes: int, rounds: int) -> str:
+def int4_operands(blocks: np.ndarray, N: int, K: int):
+    """Q4_1 块 → PyTorch int4 内核的操作数（tests/test_step14_kernels.py 里同一组数的那个换算）。"""
+    q = torch.from_numpy(formats.q4_1_nibbles(blocks[..., 4:]).reshape(N, K).astype(np.int32))
+    d = torch.from_numpy(formats.fp16_fields(blocks, 0)[..., 0])                      # (N, K/32)
+    m = torch.from_numpy(formats.fp16_fields(blocks, 2)[..., 0])
+    scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()       # (K/32, N, 2)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero
+
+
+def kernel_table(total_bytes: int, rounds: int) -> tuple[str, list, float]:
     rng = np.random.default_rng(0)
     bw = memory_bandwidth()
-    rows = []
+    rows, records = [], []
     for name, (N, K) in SHAPES.items():
-        qfmt = "q8_0" if name == "lm_head" else "q4_1"
         W = torch.randn(N, K)
-        dense = [pack_weight(W.T.contiguous()) for _ in range(copies_for(W.nbytes, total_bytes))]
-        f32 = [formats.repack_f32(W.T) for _ in range(len(dense))]
-        qb = formats.repack_blocks(formats.QuantTensor(qfmt, random_blocks(qfmt, N, K, rng), N, K))
-        q = [qb.clone() for _ in range(copies_for(qb.nbytes, total_bytes))]
+        n_dense = copies_for(W.nbytes, total_bytes)
+        plain = [W.T.contiguous() for _ in range(n_dense)]                                  # (in, out)
+        dense = [pack_weight(w) for w in plain]
+        f32 = [formats.repack_f32(W.T) for _ in range(n_dense)]
+        blocks = {f: random_blocks(f, N, K, rng) for f in ("q8_0", "q4_1")}
+        qb = {f: formats.repack_blocks(formats.QuantTensor(f, b, N, K)) for f, b in blocks.items()}
+        q = {f: [t.clone() for _ in range(copies_for(t.nbytes, total_bytes))] for f, t in qb.items()}
+        w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+        s8 = torch.rand(N) * 0.01
+        i8 = [(w8.clone(), s8) for _ in range(copies_for(w8.nbytes, total_bytes))]
+        w4, sz = int4_operands(blocks["q4_1"], N, K)
+        i4 = [(w4.clone(), sz) for _ in range(copies_for(w4.nbytes + sz.nbytes, total_bytes))]
         for M in DECODE_M:
             x = torch.randn(M, K)
-            impls = {"oneDNN packed": (lambda: [packed_matmul(x, w) for w in dense], W.nbytes * len(dense), len(dense)),
-                     "ours f32": (lambda: [kernels.matmul("f32", x, w, N) for w in f32], W.nbytes * len(f32), len(f32)),
-                     f"ours {qfmt}": (lambda: [kernels.matmul(qfmt, x, w, N) for w in q], qb.nbytes * len(q), len(q))}
+            impls = {"plain x@W": (lambda: [x @ w for w in plain], W.nbytes, len(plain)),
+                     "oneDNN packed": (lambda: [packed_matmul(x, w) for w in dense], W.nbytes, len(dense)),
+                     "ours f32": (lambda: [kernels.matmul("f32", x, w, N) for w in f32], W.nbytes, len(f32))}
+            for f in ("q8_0", "q4_1"):
+                impls[f"ours {f}"] = (lambda f=f: [kernels.matmul(f, x, w, N) for w in q[f]], qb[f].nbytes, len(q[f]))
+            impls["torch int8"] = (lambda: [torch.ops.aten._weight_int8pack_mm(x, w, sc) for w, sc in i8],
+                                   w8.nbytes + s8.nbytes, len(i8))
+            if M <= 2:
+                impls["torch int4"] = (lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, z) for w, z in i4],
+                                       w4.nbytes + sz.nbytes, len(i4))
             times = {k: [] for k in impls}
             for fn, _, _ in impls.values():
                 fn()
@@ -75,13 +105,20 @@ def kernel_table(total_bytes: int, rounds: int) -> str:
                     fn()
                     times[k].append(time.perf_counter() - t)
             for k, (_, nbytes, n) in impls.items():
-                s = statistics.median(times[k])
-                rows.append([name, M, k, f"{s / n * 1e6:.1f}", f"{nbytes / s / 1e9:.1f}", f"{nbytes / s / bw:.0%}"])
+                s = statistics.median(times[k]) / n                                         # 每次调用
+                rows.append([name, M, k, f"{s * 1e6:.1f}", f"{nbytes / s / 1e9:.1f}", f"{nbytes / s / bw:.0%}"])
+                records.append({"shape": name, "M": M, "impl": k, "us_per_call": round(s * 1e6, 2),
+                                "gb_s": round(nbytes / s / 1e9, 2), "of_bandwidth": round(nbytes / s / bw, 3)})
     head = f"read bandwidth this run: {bw / 1e9:.1f} GB/s (torch.sum over 512 MiB)\n"
-    return head + table(["shape", "M", "impl", "µs/call", "GB/s", "of bandwidth"], rows)
+    ours = [r for r in records if r["impl"] == "ours f32"]
+    worst = min(ours, key=lambda r: r["of_bandwidth"])
+    goal = (f"\nours f32, lowest share of bandwidth over every shape and M: {worst['of_bandwidth']:.0%} "
+            f"({worst['shape']}, M = {worst['M']}); goal >= 80%: {'met' if worst['of_bandwidth'] >= 0.8 else 'missed'}; "
+            f"shapes x M at >= 80%: {sum(r['of_bandwidth'] >= 0.8 for r in ours)} / {len(ours)}")
+    return head + table(["shape", "M", "impl", "µs/call", "GB/s", "of bandwidth"], rows) + goal, records, bw
 
 
-def decode_table(rounds: int, tokens: int) -> str:
+def decode_table(rounds: int, tokens: int) -> tuple[str, list]:
     path = default_model_dir()
     tok = Tokenizer(path)
     ids = tok.encode("Write a short story about a robot who learns to paint.")
@@ -98,7 +135,7 @@ def decode_table(rounds: int, tokens: int) -> str:
             lat = stamps_of(m, "cpu", lambda: generate(m, ids, tokens, SamplingParams(), ignore_eos=True))
             steps[k].append(statistics.median(lat[1:]))              # 第 0 个是 prefill
     base = statistics.median(steps["f32 packed"])
-    rows = []
+    rows, records = [], []
     for k, m in models.items():
         s = statistics.median(steps[k])
         resident = (sum(weight_bytes(m).values()) if k != "f32 packed"
@@ -106,8 +143,11 @@ def decode_table(rounds: int, tokens: int) -> str:
         div = next((i for i, (a, b) in enumerate(zip(outs[k], outs["f32 packed"])) if a != b), None)
         rows.append([k, f"{s * 1e3:.2f}", f"{base / s:.2f}x", f"{resident / 1e6:.1f}",
                      "identical" if div is None else f"differs from token {div}"])
+        records.append({"weights": k, "ms_per_step": round(s * 1e3, 3), "resident_bytes": resident,
+                        "first_difference": div})
     return (f"step03 greedy decode, prompt {len(ids)} tokens, {tokens} new tokens, median step over {rounds} rounds\n"
-            + table(["weights", "ms/step", "speed vs f32 packed", "resident weight MB", "greedy tokens vs f32 packed"], rows))
+            + table(["weights", "ms/step", "speed vs f32 packed", "resident weight MB", "greedy tokens vs f32 packed"], rows),
+            records)
 
 
 def main():
@@ -117,14 +157,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--part", choices=["all", "kernel", "decode"], default="all")
+    ap.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(machine())
+    out = {"machine_before": machine()}
+    print(out["machine_before"])
     if args.part in ("all", "kernel"):
-        print(kernel_table((32 if args.quick else 64) * 2**20, args.rounds))
+        text, out["kernel"], bw = kernel_table((32 if args.quick else 64) * 2**20, args.rounds)
+        out["bandwidth_gb_s"] = round(bw / 1e9, 2)
+        print(text)
     if args.part in ("all", "decode"):
-        print(decode_table(args.rounds, args.tokens))
-    print(machine())
+        text, out["decode"] = decode_table(args.rounds, args.tokens)
+        print(text)
+    out["machine_after"] = machine()
+    print(out["machine_after"])
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
 
 
 if __name__ == "__main__":

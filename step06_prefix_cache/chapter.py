@@ -1,5 +1,5 @@
 """step06 的章节模式（run.py 不带 --prompt 时调用）：三种负载，每种都在同一次运行里先跑 step05、再跑 step06，
-逐请求比较 token：(a) 共享系统提示词；(b) 多轮对话（每轮重发整段历史）；(c) 逼出驱逐与抢占的小池子（含并行采样）。
+逐请求比较 token：(a) 共享系统提示词；(b) 多轮对话（每轮重发整段历史）；(c) 逼出回收与抢占的小池子（含并行采样）。
 另外量 TTFT 随共享前缀长度的变化（--plot 存图），并在 (b) 上把基数树的 token 粒度匹配与整块匹配对照。
 """
 import statistics
@@ -41,7 +41,7 @@ def block_aligned(n: int, length: int, bs: int) -> int:
 
 
 def run(engine, reqs):
-    """engine.generate(reqs)，另外返回这次运行里驱逐了几块（块管理器的计数跟着引擎活，取差）。step05 的引擎没有驱逐。"""
+    """engine.generate(reqs)，另外返回这次运行里回收了几块（块管理器的计数跟着引擎活，取差）。step05 的引擎没有回收。"""
     ev0 = getattr(engine.block_manager, "num_evictions", 0)
     outs, st = engine.generate(reqs)
     return outs, st, getattr(engine.block_manager, "num_evictions", 0) - ev0
@@ -56,7 +56,7 @@ def row(name, st, hit_rate, evictions="-"):
 
 
 HEADERS = ["引擎", "prefill 算的 token", "命中率", "前向次数", "总时间 (s)", "吞吐 (token/s)", "TTFT p50 (s)",
-           "TTFT p90 (s)", "TPOT p50 (ms)", "KV 浪费", "抢占", "驱逐"]
+           "TTFT p90 (s)", "TPOT p50 (ms)", "KV 浪费", "抢占", "回收"]
 
 
 class Chapter:
@@ -102,7 +102,7 @@ class Chapter:
         e6 = self.step06(self.default_blocks, B)
         o6, st6, ev6 = run(e6, reqs)
         self.checks["a_equals_step05"] = all(self.compare("a", reqs, o5, o6))
-        # 设计好的负载：提示词互不为前缀、不驱逐，所以第 j 个请求命中的 = 与前面提示词的最长公共前缀，按块取整
+        # 设计好的负载：提示词互不为前缀、不回收，所以第 j 个请求命中的 = 与前面提示词的最长公共前缀，按块取整
         expected = [block_aligned(max((lcp(r.prompt_ids, q.prompt_ids) for q in reqs[:j]), default=0), len(r.prompt_ids), bs)
                     for j, r in enumerate(reqs)]
         self.checks["a_cached_tokens_equal_block_aligned_lcp"] = st6.cached_tokens == expected and ev6 == 0
@@ -209,7 +209,7 @@ class Chapter:
         print(table(["轮", "提示词平均长度", "step05 prefill token", "step06 prefill token", "step06 命中率",
                      "step05 TTFT p50 (s)", "step06 TTFT p50 (s)"], per_turn))
         print(f"合计：提示词 {prompt_tokens} token，step05 prefill {pre5}，step06 prefill {pre6}（省 {1 - pre6 / pre5:.1%}），"
-              f"命中率 {hit_rate:.1%}，驱逐 {evictions}")
+              f"命中率 {hit_rate:.1%}，回收 {evictions}")
 
         # 基数树 vs 整块：同样的请求序列、同样的容量
         block_total, radix_total = sum(all_cached), sum(radix)
@@ -244,7 +244,7 @@ class Chapter:
             "retokenized_hit_tokens": retok_hit, "token_id_hit_tokens": ids_hit,
         })
 
-    # ---------- (c) 小池子：驱逐、抢占、并行采样 ----------
+    # ---------- (c) 小池子：回收、抢占、并行采样 ----------
     def small_pool(self):
         s, bs = self.s, self.bs
         reqs = small_pool_workload(s.tok, self.args.quick)

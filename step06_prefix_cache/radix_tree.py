@@ -4,7 +4,7 @@
 - 匹配按 token 算，不按块取整：块大小 4 时，缓存里有 "|This is the||end.|"，新请求 "This is the end!" 的
   最后一块没满，块缓存只能用 "This is the"，基数树能用到 "This is the end"（只要 K/V 按 token 存放）；
 - 节点按需分裂：新前缀只在分叉处多出一个节点，公共部分只存一份；
-- 驱逐按叶子：最久没访问的、没人锁着的叶子先走，于是总是先丢前缀的尾巴，不会留下断掉的前缀。
+- 回收按叶子：最久没访问的、没人锁着的叶子先走，于是总是先丢前缀的尾巴，不会留下断掉的前缀。
 
 这里只管"索引"：不存 K/V 本身（SGLang 的节点里还存每个 token 的 K/V 槽号）。chapter.py 用它在多轮对话负载上
 模拟同样容量的 token 粒度缓存，量出它比整块匹配多找到多少 token、又花了什么代价。
@@ -20,7 +20,7 @@ class RadixNode:
         self.tokens = tokens                          # 这条边上的 token（根为空）
         self.parent = parent
         self.children: dict[int, RadixNode] = {}      # 子节点按它第一个 token 索引：同一节点下的子边首 token 各不相同
-        self.lock_ref = 0                             # > 0：有正在运行的请求用着这段前缀，不能驱逐
+        self.lock_ref = 0                             # > 0：有正在运行的请求用着这段前缀，不能回收
         self.last_access = 0                          # 逻辑时钟：越大越新
 
 
@@ -62,13 +62,13 @@ class RadixTree:
         return RadixMatch(i, node)
 
     def insert(self, tokens: list[int]) -> int:
-        """把一段（已经算好 K/V 的）前缀放进树里，返回新存了多少个 token。装不下时先驱逐；
+        """把一段（已经算好 K/V 的）前缀放进树里，返回新存了多少个 token。装不下时先回收；
         实在腾不出地方（剩下的都被锁着），只存放得下的那一截。"""
         m = self.match_prefix(tokens)
         rest = tuple(tokens[m.length:])
         if not rest:
             return 0
-        self.lock(m.node)                             # 腾地方时不能把要接上去的那条路径驱逐掉
+        self.lock(m.node)                             # 腾地方时不能把要接上去的那条路径回收掉
         self.evict(self.size + len(rest) - self.capacity)
         self.unlock(m.node)
         rest = rest[:self.capacity - self.size]
@@ -80,7 +80,7 @@ class RadixTree:
         return len(rest)
 
     def evict(self, num_tokens: int) -> int:
-        """按最近访问时间从旧到新驱逐没被锁的叶子，直到腾出 num_tokens 个 token；父节点变成叶子后也进候选。"""
+        """按最近访问时间从旧到新回收没被锁的叶子，直到腾出 num_tokens 个 token；父节点变成叶子后也进候选。"""
         if num_tokens <= 0:
             return 0
         tie = itertools.count()                       # 时间相同时按入堆顺序，避免比较节点对象

@@ -59,7 +59,7 @@ def main(args) -> bool:
     cli.print_generations(s, prompts, outputs)
     print(f"\n池子 {num_blocks} 块 × {args.block_size} token；{st.num_forwards} 次前向（prefill {st.prefill_steps}，"
           f"decode {st.decode_steps}），prefill 算了 {st.prefill_tokens} 个 token，命中率 {st.hit_rate:.1%}，"
-          f"抢占 {st.preemptions} 次，驱逐 {evictions} 块，峰值并发 {st.peak_running}，KV 浪费 {st.kv_waste:.1%}")
+          f"抢占 {st.preemptions} 次，回收 {evictions} 块，峰值并发 {st.peak_running}，KV 浪费 {st.kv_waste:.1%}")
     if args.json:
         out = cli.generation_json(s, prompts, [r.prompt_ids for r in requests], outputs)
         for res, cached in zip(out["results"], st.cached_tokens):

@@ -129,7 +129,7 @@ class Chapter:
         self.checks["preempted_mid_prefill_equals_step06"] = greedy_ok and seeded_ok and ledger.preempted_mid_prefill > 0
         prompt = sum(len(r.prompt_ids) for r in reqs)
         print(f"小池子 {small} 块、预算 {budget}：提示词 {[len(r.prompt_ids) for r in reqs]} token，抢占 {st.preemptions} 次"
-              f"（其中 prefill 到一半的 {ledger.preempted_mid_prefill} 次），驱逐 {e.block_manager.num_evictions - ev0} 块；prefill 共算 "
+              f"（其中 prefill 到一半的 {ledger.preempted_mid_prefill} 次），回收 {e.block_manager.num_evictions - ev0} 块；prefill 共算 "
               f"{st.prefill_tokens} 个 token（提示词 {prompt} + 重算 {st.prefill_tokens - prompt}），输出与 step06 "
               f"{'相同' if greedy_ok and seeded_ok else '不同'}")
 

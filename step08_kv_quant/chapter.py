@@ -318,7 +318,7 @@ class Chapter:
         self.figures["swap_bytes"] = swap_bytes
         self.figures["swap_seconds"] = round(swap_s, 5)
         self.figures["recompute_seconds"] = round(recompute_s, 4)
-        print("重算模式的抢占里，被抢占请求已登记进前缀缓存、还没被驱逐的块会直接命中，实际多算的 token 可能少于换出的 token。")
+        print("重算模式的抢占里，被抢占请求已登记进前缀缓存、还没被回收的块会直接命中，实际多算的 token 可能少于换出的 token。")
         # 交叉点：不同上下文长度下，换出 + 换入 ⌈n / 块⌉ 块 vs prefill n 个 token
         lengths = [16, 64] if self.quick else [16, 64, 256, 1024]
         lengths = [n for n in lengths if n <= s.cfg.max_position_embeddings]

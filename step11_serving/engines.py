@@ -5,12 +5,15 @@ add_request / step / abort），服务器只认这套 API，所以任何一步�
 （num_blocks → --num-blocks，max_num_batched_tokens → --max-num-batched-tokens，kv_dtype → --kv-dtype……），
 所以服务器的参数永远与那一步的引擎一致，不用在这里再抄一遍。step10 另有 --tp / --pp：服务器进程就是 rank 0，
 其余 rank 是它起的子进程（step10_tensor_parallel/launch.py 的 launch），服务器关闭时一起收掉。
+
+权重与引擎无关：--weights q4_1 / q8_0、--linear ours 加载 float32 模型后换上 step14 的块权重与 C++ 内核
+（step14_weight_quant/linear.py 的 load_with_weights，规则与报错与 step14 的 run.py 相同），任何一步的引擎都照常跑它。
 """
 import argparse
 import contextlib
 import importlib
 
-from common.cli import config_fields, positive_int
+from common.cli import config_fields, open_session, positive_int
 from common.errors import UserError
 
 ENGINES = {                       # --engine 的名字 → 那一步的包
@@ -24,7 +27,8 @@ ENGINES = {                       # --engine 的名字 → 那一步的包
     "step13": "step13_kv_blend",      # step12 的引擎 + 非前缀复用（--blend / --recompute-ratio）
     "step15": "step15_structured_output",   # step09 的引擎 + 结构化输出（response_format、structured_outputs）
 }
-DEFAULT_ENGINE = "step10"          # 最新的一步；默认 --tp 1 --pp 1：一个进程
+DEFAULT_ENGINE = "step10"          # 最后一个通用引擎：step09 的全部 + --tp/--pp（默认 1、1：一个进程）；
+                                   # step12/13/15 在 step09 的引擎上各加一件事（驱逐、非前缀复用、约束），用 --engine 选
 PARALLEL_ENGINES = {"step10"}      # 有 --tp / --pp 的
 # 算 logprobs 的（Request.logprobs / prompt_logprobs → RequestOutput 里带着）；更早的引擎不看这两项，服务器回 400
 LOGPROBS_ENGINES = {"step09", "step10", "step12", "step13", "step15"}
@@ -88,6 +92,43 @@ def add_engine_args(parser: argparse.ArgumentParser, name: str) -> None:
         g.add_argument("--pp", type=positive_int, default=1, help="流水线并行的 stage 数")
 
 
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    """step14 的 --weights / --activations，--linear 多一个 ours。这里只定义参数，不 import step14。"""
+    linear = next(a for a in p._actions if "--linear" in a.option_strings)
+    linear.choices = (*linear.choices, "ours")
+    linear.help += "；ours = step14 的 C++ 块内核（--weights 不是 f32 时 auto 就是它）"
+    g = p.add_argument_group("权重量化（step14，只在 CPU float32 上）")
+    g.add_argument("--weights", choices=("f32", "q8_0", "q4_1"), default="f32",
+                   help="f32 = 模型的 float32 权重；q4_1 = 默认模型的 GGUF 里的块原样使用（与 f32 同样的 token）；"
+                        "q8_0 = 从 float32 重新量化（有损）")
+    g.add_argument("--activations", choices=("f32", "q8"), default="f32",
+                   help="q8 = 有损的一级：投影的激活量化成 8 位再与 Q4_1 做整数点积（只配 --weights q4_1）")
+
+
+def uses_step14(args) -> bool:
+    """命令行要 step14 的权重或内核吗（只有这时才 import step14）。"""
+    return (getattr(args, "weights", "f32") != "f32" or getattr(args, "activations", "f32") != "f32"
+            or getattr(args, "linear", "auto") == "ours")
+
+
+def check_weight_args(args) -> None:
+    """加载模型之前检查 step14 的参数与 --compile、--tp/--pp 的组合（坏组合 UserError）。"""
+    if uses_step14(args):
+        from step14_weight_quant.linear import check_weight_flags
+        check_weight_flags(args.weights, args.activations, args.linear, getattr(args, "compile", None),
+                           getattr(args, "tp", 1) * getattr(args, "pp", 1))
+
+
+def open_serving_session(args, sliding_window: bool = False):
+    """加载要服务的模型：返回 (Session, step14 的格式或 None)。--weights / --linear ours 时换上 step14 的块权重。"""
+    def load(linear):
+        return open_session(args.model, args.device, args.dtype, linear, sliding_window=sliding_window)
+    if not uses_step14(args):
+        return load(args.linear), None
+    from step14_weight_quant.linear import load_with_weights
+    return load_with_weights(load, args.weights, args.activations, args.linear, args.model, args.device, args.dtype)
+
+
 @contextlib.contextmanager
 def parallel_group(name: str, session, args):
     """step10 的 --tp × --pp > 1：起其余的 rank（本进程是 rank 0），把 session.model 换成 rank 0 的那一份；
@@ -127,7 +168,6 @@ def build_engine(name: str, session, args, parallel=None):
         raise UserError("--spec-method draft needs --draft-model DIR" if draft is None else
                         f"--draft-model is only used with --spec-method draft (got {kw.get('spec_method')})")
     if draft:                                  # 与目标同一设备、同一 dtype
-        from common.cli import open_session
         extra["draft_model"] = open_session(draft, session.device, session.dtype_name).model
     try:
         config = mod.EngineConfig(**kw)

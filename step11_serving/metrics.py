@@ -24,6 +24,8 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
                    600.0, 1200.0, 1800.0, 3600.0)
 ITL_BUCKETS = TPOT_BUCKETS + (5.0, 10.0, 30.0, 60.0)   # 相邻两步之间：被一个长 prefill 挡住时也会到几秒
+# step15 一步里算掩码 + 铺到 logits 上：缓存命中时几十微秒到毫秒（批 8），第一次到达一个稠密的状态时几毫秒，机器忙时几十毫秒
+MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # 预先建好这几个标签：没出现过的原因也显示 0（vLLM 同样）
 
 
@@ -67,6 +69,14 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("llm_e2e_request_latency_seconds", "HTTP arrival to finish", buckets=TTFT_BUCKETS,
                              registry=r)
+        # step15 的结构化输出（别的引擎恒为 0）：引擎的 structured_stats 的增量，引擎循环在两步之间读
+        self.mask_seconds = Histogram("llm_structured_output_mask_seconds",
+                                      "per engine step with grammar masks: time to fill the masks (first visits of a "
+                                      "grammar state included) and apply them to the logits", buckets=MASK_BUCKETS,
+                                      registry=r)
+        self.masked_rows = Counter("llm_structured_output_masked_rows", "logits rows masked by a grammar", registry=r)
+        self.jump_forward_tokens = Counter("llm_structured_output_jump_forward_tokens",
+                                           "tokens appended by jump-forward instead of being sampled", registry=r)
         self._queries = self._hits = 0    # 命中率 gauge 用（Counter 的当前值没有公开的读法）
         self.vllm = VllmMetrics(r, model_name)
 
@@ -87,6 +97,13 @@ class ServerMetrics:
         v.waiting.set(waiting)
         v.kv_usage.set(usage)
         v.gpu_cache_usage.set(usage)
+
+    def structured_step(self, mask_steps: int, mask_seconds: float, masked_rows: int, jump_tokens: int) -> None:
+        """step15 引擎这一步的结构化输出：铺了几次掩码（一步至多一次）、花了多久、几行、jump-forward 追加了几个 token。"""
+        for _ in range(mask_steps):
+            self.mask_seconds.observe(mask_seconds / mask_steps)
+        self.masked_rows.inc(masked_rows)
+        self.jump_forward_tokens.inc(jump_tokens)
 
     def request_finished(self, finish_reason: str, prompt_len: int, cached: int, num_tokens: int,
                          arrival: float, first_token: float | None, finish: float) -> None:

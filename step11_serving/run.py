@@ -3,6 +3,7 @@
     python -m step11_serving.api_server [--port 8000] [--api-key KEY] [引擎参数]    # 只起服务器（make serve），浏览器打开即可聊天
     python step11_serving/run.py [--quick] [--json]                                  # 章节模式（chapter.py）
     python step11_serving/run.py --prompt "..." --max-new-tokens 32 [--chat] [--n K]  # 生成模式：经过服务器
+    python step11_serving/run.py --prompt "..." --weights q4_1                       # 服务器用 step14 的块权重
 
 生成模式在本机一个空闲端口上起服务器，用真实的 openai 客户端把全部提示词作为一个批量请求发过去
 （/v1/completions，prompt 是 token id 的列表：与前几步同样的 token，按给定顺序同时到达），
@@ -18,7 +19,7 @@ from common import cli  # noqa: E402
 from step02_sampling.sampler import add_sampling_args, params_from_args  # noqa: E402
 from step11_serving.server_thread import serve_in_thread  # noqa: E402
 from step11_serving.engines import (DEFAULT_ENGINE, ENGINES, SLIDING_WINDOW_ENGINES, add_engine_args,  # noqa: E402
-                                    serving_engine)
+                                    add_weight_args, check_weight_args, open_serving_session, serving_engine)
 
 STEP = "step11_serving"
 
@@ -33,13 +34,15 @@ def make_parser(argv=None):
     pre.add_argument("--engine", default=DEFAULT_ENGINE)
     name = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].engine
     add_engine_args(p, name if name in ENGINES else DEFAULT_ENGINE)   # 未知的名字由上面的 choices 报错
+    add_weight_args(p)
     return p
 
 
 def main(args) -> bool:
     params, stop = params_from_args(args), list(cli.stop_from_args(args))
     # 滑动窗口模型只在生成模式、挂认识窗口的引擎时可以（章节模式还要拿别的引擎对照）
-    s = cli.load_session(args, sliding_window=args.prompt is not None and args.engine in SLIDING_WINDOW_ENGINES)
+    check_weight_args(args)
+    s, _ = open_serving_session(args, sliding_window=args.prompt is not None and args.engine in SLIDING_WINDOW_ENGINES)
     if args.prompt is None:
         from step11_serving.chapter import chapter
         return chapter(args, s)

@@ -6,7 +6,7 @@
   写满最后一块时加一块，free_seq 把它的块全部还回来；
 - 前缀缓存：写满的块按链式的 key = hash(前一块的 key, 这一块的 token id) 登记，match_prefix 从第 0 块起逐块查、
   核对原像。ref = 0 的块：没有 key 的在 free_blocks（先分配它们），带 key 的在 evictable（按最近一次被释放排，
-  空块用完才驱逐最久没用的）；一个块要么在 free_blocks，要么在 evictable，要么 ref ≥ 1。
+  空块用完才回收最久没用的）；一个块要么在 free_blocks，要么在 evictable，要么 ref ≥ 1。
 
 step07 加 enable_caching=False（--no-prefix-cache）：什么也不登记、什么也查不到，块就只是块（step05 的行为）。
 
@@ -59,7 +59,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """带 key 的空闲块也算空闲（随时可以驱逐），但分配时排在空块后面。"""
+        """带 key 的空闲块也算空闲（随时可以回收），但分配时排在空块后面。"""
         return len(self.free_blocks) + len(self.evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -70,7 +70,7 @@ class BlockManager:
 
     def allocate(self, n: int) -> list[int]:
         """取 n 个空闲块。调用方（调度器）应先用 can_allocate 检查：块不够时怎么办（等待 / 抢占）是调度策略，
-        不是分配器的事，所以这里不够就直接报错。空块不够时驱逐最久没用的缓存块，它变回空块。"""
+        不是分配器的事，所以这里不够就直接报错。空块不够时回收最久没用的缓存块，它变回空块。"""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
         while len(self.free_blocks) < n:
@@ -84,8 +84,8 @@ class BlockManager:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """从尾到头释放：同一个请求靠后的块先进 evictable，于是先被驱逐；开头的块（最可能被别人共享）留得最久。
-        这也保证了子块总在父块之前被驱逐——缓存里不会留下找不到父块的块。"""
+        """从尾到头释放：同一个请求靠后的块先进 evictable，于是先被回收；开头的块（最可能被别人共享）留得最久。
+        这也保证了子块总在父块之前被回收——缓存里不会留下找不到父块的块。"""
         for b in reversed(blocks):
             if self.ref_counts[b] == 0:
                 raise RuntimeError(f"double free of block {b}")
@@ -156,7 +156,7 @@ class BlockManager:
         return self.can_allocate(self.blocks_for(slots) - len(match.blocks) + reclaimed)
 
     def allocate_seq(self, seq: Sequence, match: PrefixMatch, num_slots: Optional[int] = None) -> None:
-        """命中的块共享（引用计数 +1，原来没人用的从 evictable 取出、不再参与驱逐），其余新分配；
+        """命中的块共享（引用计数 +1，原来没人用的从 evictable 取出、不再参与回收），其余新分配；
         请求从命中位置开始 prefill。num_slots 同 can_allocate_seq。"""
         for b in match.blocks:
             if self.ref_counts[b] == 0:

@@ -11,9 +11,9 @@
 它住在同一个分页池子里，用的是前缀缓存的那套引用计数和 LRU（block_manager.py）：
 - 一段占 ceil(n / block_size) 块，每块作为一个"缓存块"登记在 BlockManager.cached / key_to_block 里
   （key = hash(("chunk", 段的 key, 块序号))，原像里记着这一块的 token，最后一块可以不满）；
-- 正在用它的请求（acquire 到 release 之间）每个持一份引用：ref ≥ 1 的块不会被驱逐；
+- 正在用它的请求（acquire 到 release 之间）每个持一份引用：ref ≥ 1 的块不会被回收；
 - 没人用时引用为 0，块进 BlockManager.evictable，与没人用的前缀块排在同一条 LRU 里：池子不够时
-  allocate 从最久没用的开始驱逐（不论是前缀块还是段块）。段里任何一块被驱逐，这一段就失效：下次查到时
+  allocate 从最久没用的开始回收（不论是前缀块还是段块）。段里任何一块被回收，这一段就失效：下次查到时
   把剩下的块也还给空闲链表（lookup 里核对每一块的原像，同 match_prefix 的做法）；每次存新段时也把失效的段全部忘掉，
   所以 entries 里只有完整的段（每段至少占一块），条目数不超过池子的块数——服务器一直跑也不会越积越多。
 
@@ -81,7 +81,7 @@ class ChunkStore:
         return len(self.entries)
 
     def _valid(self, e: ChunkEntry) -> bool:
-        """段的每一块都还登记着我们的原像（没有被驱逐后另作他用）。"""
+        """段的每一块都还登记着我们的原像（没有被回收后另作他用）。"""
         return all(self.bm.cached.get(b) is r for b, r in zip(e.blocks, e.records))
 
     def _forget(self, e: ChunkEntry) -> None:
@@ -123,14 +123,14 @@ class ChunkStore:
         e.users += 1
 
     def release(self, e: ChunkEntry) -> None:
-        """不再用：引用 −1；到 0 的块回到 evictable 的末尾（最近用过），池子不够时按 LRU 被驱逐。"""
+        """不再用：引用 −1；到 0 的块回到 evictable 的末尾（最近用过），池子不够时按 LRU 被回收。"""
         if e.users <= 0:
             raise RuntimeError(f"release of a chunk nobody holds ({len(e.token_ids)} tokens)")
         e.users -= 1
         self.bm.free(e.blocks)
 
     def put(self, token_ids, kv: torch.Tensor) -> Optional[ChunkEntry]:
-        """存一段：kv (layers, 2, H_kv, n, D) 是它单独算出的 K/V（位置 0..n−1）。池子腾不出块（没人用的缓存块都驱逐了
+        """存一段：kv (layers, 2, H_kv, n, D) 是它单独算出的 K/V（位置 0..n−1）。池子腾不出块（没人用的缓存块都回收了
         还不够）时不存，返回 None——调用方照样用手上这份 K/V，只是下次还要再算。已有同样的段时返回那一段。
         返回的段已被 acquire。"""
         token_ids = tuple(token_ids)
@@ -145,7 +145,7 @@ class ChunkStore:
         keys = [hash(("chunk", key, i)) for i in range(n_blocks)]
         if any(k in self.bm.key_to_block for k in keys):  # 64 位 hash 碰撞（几乎不会）：不存
             return None
-        blocks = self.bm.allocate(n_blocks)              # 引用 1 = 存它的这个请求在用；可能驱逐别的段 / 前缀块
+        blocks = self.bm.allocate(n_blocks)              # 引用 1 = 存它的这个请求在用；可能回收别的段 / 前缀块
         write_kv(self.pool, blocks, kv)
         records = [CachedBlock(k, blocks[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
                    for i, k in enumerate(keys)]
@@ -154,11 +154,11 @@ class ChunkStore:
         e = ChunkEntry(key, token_ids, blocks, records, users=1)
         self.entries[key] = e
         self.stored += 1
-        self._prune()                                    # 这次分块（和之前请求要块时）驱逐掉的段
+        self._prune()                                    # 这次分块（和之前请求要块时）回收掉的段
         return e
 
     def _prune(self) -> None:
-        """忘掉失效的段（有块被 LRU 驱逐了）：之后 entries 里每段都还完整地占着池子里的块。"""
+        """忘掉失效的段（有块被 LRU 回收了）：之后 entries 里每段都还完整地占着池子里的块。"""
         for e in [e for e in self.entries.values() if not self._valid(e)]:
             self._forget(e)
 

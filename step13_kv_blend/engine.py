@@ -50,7 +50,7 @@ step13 加的非前缀复用：add_request(request, chunks=[(start, end), ...]) 
     concat / reuse / blend   块缓存（chunk_cache.py）里每段单独算好的 K/V 拼起来，再按模式修（blend.py）：近似
 后三种在请求被接纳、拿到块之后（调度器的 on_admit → _prefill_chunks）一次做完提示词前 n − 1 个 token 的 prefill：
 每段查块缓存（没有就单独算一遍、存进去），按模式拼、转位置、选择性重算，结果写进请求自己的块；最后一个提示词 token
-照常进这一步的前向、采样出第一个 token。段在这期间被持有（引用计数），不会被驱逐；它的块没人用时与前缀缓存的块排在
+照常进这一步的前向、采样出第一个 token。段在这期间被持有（引用计数），不会被回收；它的块没人用时与前缀缓存的块排在
 同一条 LRU 里。拼出来的 K/V 不登记进前缀缓存。拼段的 prefill 的时间算在这一步里（TTFT 含它）；它算掉的 token
 （单独算的段 + 重算的 + 检查段，折算成走完全部层的）记在 BlendStepStats.blend_tokens，也算进这一步的 token 预算
 （scheduler.py）：一步里拼段的 prefill 与前向加起来不超过 max_num_batched_tokens，正在 decode 的请求不会被几个同时接纳的
@@ -308,7 +308,7 @@ class LLMEngine:
                 res = blend_prefill(self.model, ids[:n], kv, reused, c.blend, c.ratio, c.deviation)
                 write_kv(self.kv_cache.pool, seq.block_table, res.kv)
             finally:
-                for e in held:                        # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以驱逐
+                for e in held:                        # 段的 K/V 已经拷进这个请求的块：不再持有，没人用时可以回收
                     self.chunk_store.release(e)
         except Exception as e:   # 只属于这个请求（它的段、它的前向）：同 _postprocess，只结束它，别的请求照常
             self.block_manager.free_seq(seq)          # 还在等待队列里的请求 finish 不还块：这里先还

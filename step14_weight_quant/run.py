@@ -22,29 +22,24 @@
 import sys
 from pathlib import Path
 
+import torch  # noqa: E402
+
 # 脚本所在的目录不放在 sys.path 上：这里的 linear.py、kernels.py 会遮住别的包按顶层名字 import 的同名模块
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 from common import cli  # noqa: E402
-from common.device import pick_device, pick_dtype  # noqa: E402
-from common.errors import UserError  # noqa: E402
-from common.prepare import default_model_dir, resolve_model  # noqa: E402
+from common.linear import linear_impl  # noqa: E402
 from step02_sampling.sampler import params_from_args  # noqa: E402
 from step03_kvcache_single.engine import generate  # noqa: E402
 from step04_static_batching.request import Request  # noqa: E402
 from step09_speculative import run as step09_run  # noqa: E402
 from step09_speculative.config import num_blocks_for_budget  # noqa: E402
-from step14_weight_quant import kernels  # noqa: E402
+from perf import compiled_decode  # noqa: E402
 from step14_weight_quant.fused import use_fused_ops_  # noqa: E402
-from step14_weight_quant.linear import use_block_weights_  # noqa: E402
+from step14_weight_quant.linear import ACTIVATIONS, LOSSY, WEIGHTS, check_weight_flags, load_with_weights  # noqa: E402
 
-WEIGHTS = ("f32", "q8_0", "q4_1")
-ACTIVATIONS = ("f32", "q8")
 LINEARS = ("auto", "plain", "packed", "ours")
-LOSSY = ("q8_0", "q4_1_q8_1")                     # 权重或激活变了的格式：token 不保证相同，章节模式报告质量
 
 
 def make_parser() -> cli.Parser:
@@ -66,36 +61,10 @@ def make_parser() -> cli.Parser:
     return p
 
 
-def block_format(args, device: str, dtype) -> str | None:
-    """命令行 → linear.use_block_weights_ 的格式（None = 不换，float32 模型照前几步那样跑）。加载模型之前就报错。"""
-    if args.activations == "q8" and args.weights != "q4_1":
-        raise UserError("--activations q8 goes with --weights q4_1 (the 8-bit activations meet Q4_1 blocks)")
-    if args.weights != "f32" and args.linear in ("plain", "packed"):
-        raise UserError(f"--weights {args.weights} runs step14's block kernel: use --linear ours (or auto)")
-    ours = args.linear == "ours" or args.weights != "f32"
-    if not ours:
-        return None
-    if device != "cpu" or dtype != torch.float32:
-        print(f"step14 的内核只在 CPU float32 上：{device}/{str(dtype).removeprefix('torch.')} 上照常用 float32 权重与 "
-              "--linear auto")
-        args.linear = "auto"
-        return None
-    if not kernels.kernel_available():
-        raise UserError(f"--weights {args.weights} --linear {args.linear}: step14's C++ kernel could not be built: "
-                        f"{kernels.kernel_build_error()}")
-    if args.weights == "q4_1" and resolve_model(args.model).resolve() != default_model_dir().resolve():
-        raise UserError("--weights q4_1 uses the GGUF the default model was converted from; "
-                        f"{args.model} has none (use --weights q8_0)")
-    return "q4_1_q8_1" if args.activations == "q8" else args.weights
-
-
 def load(args):
-    """加载 float32 模型并换上 step14 的模块：返回 (Session, 格式或 None)。"""
-    device = pick_device(args.device)
-    fmt = block_format(args, device, pick_dtype(args.dtype, device))
-    s = cli.load_session(cli.override(args, linear="plain") if fmt else args)   # 换之前不必打包
-    if fmt:
-        use_block_weights_(s.model, fmt)
+    """加载 float32 模型并换上 step14 的模块：返回 (Session, 格式或 None)。规则与报错在 linear.py（服务器也用）。"""
+    s, fmt = load_with_weights(lambda linear: cli.load_session(cli.override(args, linear=linear)), args.weights,
+                               args.activations, args.linear, args.model, args.device, args.dtype)
     if args.fused_ops:
         if s.model.device.type != "cpu" or s.model.dtype != torch.float32:
             print(f"--fused-ops 的 C++ 小算子只在 CPU float32 上：{s.model.device}/{str(s.model.dtype).removeprefix('torch.')} "
@@ -117,8 +86,7 @@ def uses_step09(args, parser) -> bool:
 def main(args) -> bool:
     params, stop = params_from_args(args), cli.stop_from_args(args)
     step09_run.check_args(args)
-    if getattr(args, "compile", None) and args.activations == "q8":   # 有损的一级只用来对照，没有注册成算子
-        raise UserError("--activations q8 has no compiled path (its kernel is not a PyTorch op): drop --compile")
+    check_weight_flags(args.weights, args.activations, args.linear, compile=getattr(args, "compile", None))
     if args.prompt is None:
         from step14_weight_quant.chapter import Chapter
         return Chapter(args, engine_for).run()
@@ -134,13 +102,14 @@ def main(args) -> bool:
         prompts, ids_out, stats = args.prompt, prompt_ids, {"engine": "step03"}
     else:
         engine = engine_for(args, s)
+        compiled_decode.compile_if_asked(args, engine)     # --compile：开始之前编译好每个桶
         requests = [q for ids in prompt_ids
                     for q in Request(ids, args.max_new_tokens, params, args.ignore_eos, stop).parallel_samples(args.n)]
         outputs, st = engine.generate(requests)
         prompts, ids_out = [p for p in args.prompt for _ in range(args.n)], [r.prompt_ids for r in requests]
         stats = {"engine": "step09", "forwards": st.num_forwards, "generated_tokens": st.generated_tokens}
     cli.print_generations(s, prompts, outputs)
-    print(f"\n权重 {fmt or 'float32（' + args.linear + '）'}，引擎 {stats['engine']}")
+    print(f"\n权重 {fmt or 'float32（' + linear_impl(s.model) + '）'}，引擎 {stats['engine']}")
     if args.json:
         out = cli.generation_json(s, prompts, ids_out, outputs)
         out["stats"] = {**stats, "weights": args.weights, "activations": args.activations, "format": fmt or "f32"}

@@ -5,21 +5,24 @@
     用别人的实现检查——re.fullmatch、jsonschema.validate、json.loads；没写完就到 max_new_tokens 的，每个 token 都被
     语法接受（是某个合法输出的前缀）；
 [3] 掩码只去掉不合法的：贪心的输出本来就满足约束（约束就是它的文本本身）时，加上约束 token 一个不变（不猜与 ngram）；
-[4] jump-forward：固定键的 schema 上，跳与不跳的文本相同（token 可以不同：跳的那段按分词器的切法，不按模型的），
-    前向少了多少；
+[4] jump-forward：固定键的 schema 上，跳的输出是"强制的几段按分词器的切法、其余是铺了掩码的贪心"（jump_relation：
+    重放每一次跳、teacher forcing 检查每个采样的 token），与不跳的输出逐 token 相同，直到第一个"跳放进去的 token
+    与模型自己选的切法不同"的位置；之后模型的上文不同，文本可以不同（打印有几个相同）。前向少了多少；
 [5] 快慢：同一组要 JSON 的请求，不约束 / 约束（不跳）/ 约束（跳）各跑一遍：token/s、前向次数、每步算掩码的时间、
     jump-forward 省下的 token。
 """
 import json
 import re
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import jsonschema
 import torch
 
 from common import cli
 from common.bench import interleaved_medians, machine, table
-from common.compare import MARGIN_TOL, compare
+from common.compare import MARGIN_TOL, compare, top2_margin
 from common.harness import Checks, finish, pool_is_free, stage
 from common.prompts import CHAPTER_PROMPTS
 from step02_sampling.sampler import SamplingParams
@@ -28,9 +31,9 @@ from step09_speculative import engine as step09
 from step15_structured_output import engine as step15
 from step15_structured_output.config import num_blocks_for_budget
 from step15_structured_output.schema import literal
-from step15_structured_output.structured import Grammars
+from step15_structured_output.structured import Grammars, jump_forward_tokens
 from step15_structured_output.structured import StructuredOutputsParams as SO
-from step15_structured_output.token_index import TokenIndex
+from step15_structured_output.token_index import TokenIndex, allocate_token_bitmask, unpack_bits
 
 STEP = "step15_structured_output"
 POOL_BLOCKS = 160          # 每个引擎的池子至多这么多块（块 16 时 2560 个 token 的槽）
@@ -66,6 +69,80 @@ def valid_text(check, text: str) -> bool:
         return bool(check(text))
     except (ValueError, jsonschema.ValidationError):   # json.JSONDecodeError 是 ValueError
         return False
+
+
+def forced_positions(grammars: Grammars, so: SO, output: list[int], max_new_tokens: int) -> Optional[list[bool]]:
+    """output（贪心、不猜、不带停止条件的请求在 jump-forward 开着时的输出）的每个位置是 jump-forward 放进去的（True）
+    还是采样的：照引擎的顺序重放——add_request 时跳一次（至多 max_new_tokens − 1 个、不含 EOS），之后每采样一个 token
+    （没结束时）跳一次。重放出的强制 token 与输出对不上时返回 None。"""
+    m, flags = grammars.matcher(so), []
+
+    def jump(cap: int, with_eos: bool = True) -> bool:
+        tokens = jump_forward_tokens(m, grammars, cap, with_eos)
+        if output[len(flags):len(flags) + len(tokens)] != tokens:
+            return False
+        for t in tokens:
+            m.accept_token(t)
+        flags.extend([True] * len(tokens))
+        return True
+
+    if not jump(max_new_tokens - 1, with_eos=False):
+        return None
+    while len(flags) < len(output):
+        if not m.accept_token(output[len(flags)]):
+            return None
+        flags.append(False)
+        if m.is_terminated() or len(flags) == max_new_tokens:
+            break
+        if not jump(max_new_tokens - len(flags)):
+            return None
+    return flags if len(flags) == len(output) else None
+
+
+@dataclass
+class JumpRelation:
+    ok: bool
+    forced: Optional[list[bool]]   # 跳的输出每个位置是不是强制的（重放不出来时 None）
+    divergence: Optional[int]      # 跳与不跳第一个不同的 token 的位置（逐 token 相同时 None）
+    reason: str                    # 不成立时：哪一条、在哪里；成立时：分歧是哪一种
+
+
+def jump_relation(grammars: Grammars, so: SO, prompt_ids: list[int], jumped: list[int], plain: list[int],
+                  max_new_tokens: int, logits_fn: Callable[[list[int]], torch.Tensor], tol: float,
+                  token_bytes: list) -> JumpRelation:
+    """jump-forward 能保证的关系（贪心）：
+    (a) 跳的输出 = 强制的几段（重放 jump_forward_tokens 得到，分词器的切法）+ 其余每个 token 都是"在它自己的上文上
+        铺了掩码的 logits 的 argmax"（teacher forcing：logits_fn(提示词 + 跳的输出) 一次前向；top-2 差小于 tol 的
+        打平不算错）；
+    (b) 跳与不跳逐 token 相同，直到第一个不同的位置 d；d 上跳的那个 token 是强制的，不跳的是模型自己对同一段强制字节
+        的另一种切法（两个 token 的字节一个是另一个的前缀）——或者 d 上是一次打平。
+    d 之后两边的上文不同，不再比：模型在不同的 token 上接着写，文本可以不同。"""
+    forced = forced_positions(grammars, so, jumped, max_new_tokens)
+    if forced is None:
+        return JumpRelation(False, None, None, "the forced tokens do not replay")
+    n = len(prompt_ids)
+    logits = logits_fn(prompt_ids + jumped)[n - 1:n - 1 + len(jumped)].float()   # (len(jumped), V)：第 i 行预测 jumped[i]
+    m, bitmask = grammars.matcher(so), allocate_token_bitmask(1, logits.shape[-1])
+    margins = []
+    for i, (t, f) in enumerate(zip(jumped, forced)):
+        m.fill_bitmask(bitmask)
+        row = logits[i].masked_fill(~unpack_bits(bitmask, logits.shape[-1])[0], float("-inf"))
+        margins.append(top2_margin(row))
+        if not f and int(row.argmax()) != t and margins[i] >= tol:
+            return JumpRelation(False, forced, None, f"sampled token {i} ({t}) is not the masked argmax "
+                                                     f"({int(row.argmax())}, margin {margins[i]:.2e})")
+        m.accept_token(t)
+    d = next((i for i, (a, b) in enumerate(zip(jumped, plain)) if a != b), None)
+    if d is None:
+        same = len(jumped) == len(plain)
+        return JumpRelation(same, forced, None, "identical tokens" if same else "one output is a prefix of the other")
+    a, b = token_bytes[jumped[d]] or b"", token_bytes[plain[d]] or b""
+    if forced[d] and (a.startswith(b) or b.startswith(a)):
+        return JumpRelation(True, forced, d, "forced spelling")
+    if not forced[d] and margins[d] < tol:
+        return JumpRelation(True, forced, d, f"near-tie (margin {margins[d]:.2e})")
+    return JumpRelation(False, forced, d, f"the outputs differ at {d}: {jumped[d]} ({'forced' if forced[d] else 'sampled'})"
+                                          f" vs {plain[d]}")
 
 
 class Chapter:
@@ -150,7 +227,7 @@ class Chapter:
     def masking_only_removes(self):
         s = self.s
         n_new = 16 if self.quick else 32
-        stage(f"\n[3] 贪心的输出本来就满足约束时（约束 = 它自己的文本），加上约束 token 不变 ...")
+        stage("\n[3] 贪心的输出本来就满足约束时（约束 = 它自己的文本），加上约束 token 不变 ...")
         ok, rows = True, []
         reqs = [Request(s.encode(t, chat), n_new, SamplingParams()) for _, t, chat in CHAPTER_PROMPTS]
         free = self.generate(self.engine(spec_method="none"), reqs)
@@ -175,22 +252,37 @@ class Chapter:
     def jump_forward(self):
         s = self.s
         n_new = 64 if self.quick else 96
-        prompts = JSON_PROMPTS[:2 if self.quick else 4]
-        stage(f"\n[4] 固定键的 schema：jump-forward 与不跳（贪心，{len(prompts)} 个提示词）...")
+        prompts = JSON_PROMPTS[:2 if self.quick else 8]
+        stage(f"\n[4] 固定键的 schema：jump-forward 与不跳（贪心、不猜，{len(prompts)} 个提示词一批）...")
+        so = SO(json=PERSON)
         reqs = [Request(s.encode(t, True), n_new, SamplingParams()) for t in prompts]
-        on, off = self.engine(), self.engine(jump_forward=False)
-        a, b = self.generate(on, reqs, SO(json=PERSON)), self.generate(off, reqs, SO(json=PERSON))
-        rows, same_text = [], True
-        for t, x, y in zip(prompts, a.outputs, b.outputs):
-            same_text &= self.text(x) == self.text(y)
-            rows.append([t[:40] + "...", len(x), len(y), "相同" if x == y else "不同", "相同" if self.text(x) == self.text(y)
-                         else "不同"])
-        self.checks["jump_forward_same_text_as_no_jump"] = same_text
+        on, off = self.engine(spec_method="none"), self.engine(spec_method="none", jump_forward=False)
+        a, b = self.generate(on, reqs, so), self.generate(off, reqs, so)
+        index = on.grammars.index
+        hf = s.tok.hf
+        rows, ok, same_text, same_tokens = [], True, 0, 0
+        for t, r, x, y in zip(prompts, reqs, a.outputs, b.outputs):
+            rel = jump_relation(on.grammars, so, r.prompt_ids, x, y, n_new, s.full_logits, self.tol, index.token_bytes)
+            ok &= rel.ok
+            if not rel.ok:
+                self.checks.note(f"[4] {t[:40]}...: {rel.reason}")
+            same_text += self.text(x) == self.text(y)
+            same_tokens += x == y
+            d = rel.divergence
+            where = "-" if d is None else (f"{d}：跳 {hf.convert_ids_to_tokens(x[d])!r}（{'强制' if rel.forced[d] else '采样'}）"
+                                           f" / 不跳 {hf.convert_ids_to_tokens(y[d])!r}")
+            rows.append([t[:40] + "...", f"{len(x)} / {len(y)}", sum(rel.forced or []), where,
+                         "相同" if self.text(x) == self.text(y) else "不同", "✅" if rel.ok else f"❌ {rel.reason}"])
+        self.checks["jump_forward_is_greedy_with_the_tokenizers_spelling"] = ok
         self.figures["forwards_ratio_jump_vs_no_jump"] = round(a.stats.num_forwards / b.stats.num_forwards, 4)
-        print(table(["提示词", "token（跳）", "token（不跳）", "token 序列", "文本"], rows))
+        self.figures["jump_forward_same_text_fraction"] = round(same_text / len(prompts), 4)
+        print(table(["提示词", "token（跳 / 不跳）", "强制的 token", "第一个不同的 token（Ġ 是空格）", "文本", "关系"], rows))
         print(f"前向次数：跳 {a.stats.num_forwards}，不跳 {b.stats.num_forwards}；强制追加的 token "
-              f"{on.structured_stats.jump_tokens} 个（{on.structured_stats.jumps} 次）。token 序列可以不同：跳的那段按"
-              "分词器的切法（`{\"` 一个 token），不跳时模型自己可能选 `{` + `\"`——文本相同")
+              f"{on.structured_stats.jump_tokens} 个（{on.structured_stats.jumps} 次）。文本相同 {same_text}/{len(prompts)}，"
+              f"token 逐个相同 {same_tokens}/{len(prompts)}。\n"
+              "关系：跳的输出 = 强制的几段（分词器的切法）+ 其余每个 token 是它自己上文上铺了掩码的贪心（teacher forcing 检查）；"
+              "与不跳的逐 token 相同，直到第一个强制 token 与模型自己的切法不同的位置（例如跳放进 `{\"`，模型自己写 `{` + `\"`）。"
+              "那之后模型的上文不同，写出的文本可以不同：jump-forward 保证的是这个关系，不是文本相同")
 
     # ---------- [5] 快慢 ----------
     @torch.inference_mode()

@@ -35,7 +35,7 @@ step15 加的结构化输出（structured.py；语法本身在 regex_parser.py /
   · jump-forward（jump_forward=True，run.py 的 --no-jump-forward 关掉）：采样之后，语法唯一确定的一段字节直接分词、
     追加进输出（structured.jump_forward_tokens：结尾按 llguidance 的做法退回几个 token），不一个一个采样；这些 token
     像被抢占后重算那样走 prefill 的路（num_prefill_tokens 延长到它们），下一次前向作为一块一起算完再采样。
-    请求一开始（add_request）语法就强制的开头（JSON 的 `{"name": `）与提示词一起 prefill。要 logprobs 的请求不跳：
+    请求一开始（add_request）语法就强制的开头（JSON 的 `{"name":`）与提示词一起 prefill。要 logprobs 的请求不跳：
     强制的 token 没有采样用的分布。
   没有约束的请求一行新代码也不走：输出、前向次数都与 step09 相同。
 """
@@ -194,7 +194,7 @@ class LLMEngine:
         return self.config.jump_forward and r.logprobs is None and r.prompt_logprobs is None
 
     def _jump_at_start(self, seq: Sequence) -> None:
-        """语法一开始就强制的一段（JSON Schema 的 `{"name": `）直接放进输出，与提示词一起 prefill。
+        """语法一开始就强制的一段（JSON Schema 的 `{"name":`，结尾的 ` "` 退回）直接放进输出，与提示词一起 prefill。
         至多 max_new_tokens − 1 个（至少留一个 token 采样），也不含 EOS：请求不会在第一次前向之前就结束。
         有停止串或停止 token 的请求不在这里跳（它们可能在强制的这段里就停下，那要等到第一步才能报告）。"""
         r = seq.request

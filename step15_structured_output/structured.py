@@ -194,8 +194,9 @@ def jump_forward_tokens(matcher: GrammarMatcher, grammars: Grammars, cap: int, w
 
     字节 → token：把这段文本单独分词（分词器自己的切法，canonical）。陷阱在结尾：分词器在这里切开，只因为文本在这里
     结束了；模型看到的训练数据里，结尾的字节常常和后面的字节连成一个更长的 token。例如强制的 `{"name": "` 之后是
-    自由的字符串，词表里有 ` "J`、` "A` 这样的 token——替模型把 ` "` 定死，就逼它从一个训练时很少见的切分接着写，
-    输出的分布被扭曲（llguidance 的 docs/fast_forward.md 有例子）。所以与 llguidance 一样退回：在结尾最多
+    自由的字符串，SmolLM2 的词表里有 ` ""`、` "_`、` "(` 这样以 ` "` 开头、跨过边界的 token（27 个，都是引号后面跟标点；
+    没有 ` "A` 这种跟字母的）——替模型把 ` "` 定死，名字若以 `_` 开头，就逼它从一个训练时很少见的切分接着写，
+    输出的分布被扭曲（llguidance 的 docs/fast_forward.md 有 Llama-3 上 `orderId` 的例子）。所以与 llguidance 一样退回：在结尾最多
     JUMP_BACKOFF_TOKENS 个 token 的字节范围内，找最靠前的一个位置 idx，使得从"强制串的前 idx 个字节"之后的状态出发，
     语法允许某个比剩下的 forced[idx:] 更长的 token（它一定以 forced[idx:] 开头：这段字节是强制的）——也就是有 token
     能跨过边界；从结尾扔掉 token，直到剩下的不超过 idx 个字节。扔掉的那几个字节留给模型自己采样（它可以选更长的 token）。

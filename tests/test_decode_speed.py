@@ -203,3 +203,77 @@ def test_llama_server_backend_drives_completion_and_reads_tokens_and_timings(mon
     assert r.tokens == [7, 8, 9, 10] and r.prefill_s == pytest.approx(0.012)
     assert r.decode_s == pytest.approx([0.01] * 3)
     assert llamacpp.until_eos([5, 6, 1, 7], [1]) == [5, 6] and llamacpp.until_eos([5, 6], [1]) == [5, 6]
+
+
+def test_llama_server_rows_are_f32_and_the_shipped_q4_1(monkeypatch, tmp_path, capsys):
+    """llama-server 后端的几行（不启动服务器：open_llamacpp 换成替身）：F32 与包里自带的 Q4_1（-m 就是 find_gguf()
+    那个文件），只有 F32 与我们逐 token 比；它们给不出 logits，不进质量表；没有 Q8_0 文件时打印一行原因，有了就多一行。"""
+    import contextlib
+
+    from bench import decode_speed
+    from common.prepare import find_gguf
+    from perf import llamacpp
+    opened = []
+
+    class FakeServer:
+        kv_bytes = 4
+
+        def __init__(self, path):
+            self.path = path
+
+        def greedy(self, ids, n):
+            return llamacpp.LlamaCppRun([1] * n, 0.01, [0.01] * (n - 1))
+
+    @contextlib.contextmanager
+    def fake_open(path, threads, n_ctx):
+        opened.append(path)
+        yield FakeServer(path)
+
+    shipped = find_gguf()
+    files = {"F32": shipped, "Q4_1": shipped}          # F32 的文件换成包里的：这里只看选了哪几个文件、怎么命名
+    monkeypatch.setattr(llamacpp, "gguf_files", lambda model_dir: dict(files))
+    monkeypatch.setattr(llamacpp, "open_llamacpp", fake_open)
+    s = type("S", (), {"path": tmp_path, "cfg": type("C", (), {"kv_bytes_per_token": lambda self, b: 10 * b})()})()
+    with contextlib.ExitStack() as stack:
+        rows = decode_speed.llama_engines("llama-server", s, 2, 64, stack)
+    assert list(rows) == ["F32", "Q4_1"] and opened == [shipped, shipped]
+    assert rows["F32"].name == "llama.cpp F32（llama-server）" and rows["F32"].exact
+    assert rows["Q4_1"].name == "llama.cpp Q4_1（llama-server，包里自带的文件）" and not rows["Q4_1"].exact
+    assert all(e.logits is None for e in rows.values())
+    assert "Q8_0" in capsys.readouterr().out
+    files["Q8_0"] = shipped
+    with contextlib.ExitStack() as stack:
+        rows = decode_speed.llama_engines("llama-server", s, 2, 64, stack)
+    assert "Q8_0" in rows and "Q8_0" not in capsys.readouterr().out
+    assert decode_speed.tokens_only_verdict([5, 6, 7], [5, 6, 7], [0]) == "有损：前 3 个相同"
+    assert decode_speed.tokens_only_verdict([5, 6, 0, 9], [5, 8, 3, 3], [0]) == "有损：第 1 个起不同"
+
+
+def test_ours_summary_ratios():
+    """step14 的几行对同一份文件的 llama.cpp：float32 权重对 F32、Q4_1 对 Q4_1 的 tokens/s 之比（> 1 = 我们快）；
+    没有对应的 llama.cpp 行时不报。"""
+    from bench import decode_speed
+    llama = {"F32": decode_speed.Engine("llama.cpp F32", None, None, True, None),
+             "Q4_1": decode_speed.Engine("llama.cpp Q4_1", None, None, False, None)}
+    step_s = {"ours f32（step03）": 0.020, "ours q4_1（step03）": 0.010, "ours q4_1 + 融合小算子（step03）": 0.004,
+              "llama.cpp F32": 0.030, "llama.cpp Q4_1": 0.005}
+    f = decode_speed.ours_summary(step_s, llama)
+    assert f["ratio_vs_llamacpp_f32[ours f32（step03）]"] == 1.5
+    assert f["ratio_vs_llamacpp_q4_1[ours q4_1（step03）]"] == 0.5
+    assert f["ratio_vs_llamacpp_q4_1[ours q4_1 + 融合小算子（step03）]"] == 1.25
+    assert "ratio_vs_llamacpp_f32[ours q4_1（step03）]" not in f
+    assert decode_speed.ours_summary(step_s, {}) == {}
+
+
+def test_llama_server_runs_the_shipped_q4_1_file():
+    """真的 llama-server（没有时跳过并说明）在包里自带的 Q4_1 GGUF 上贪心生成：要几个给几个，计时读得出来。"""
+    from common.prepare import find_gguf
+    from perf import llamacpp
+    if llamacpp.server_binary() is None:
+        pytest.skip("llama-server not built (bash bench/llama_server/build.sh)")
+    ll = llamacpp.LlamaServer(find_gguf(), 2, 128)
+    try:
+        r = ll.greedy([1, 504, 3458, 314, 253], 8)
+    finally:
+        ll.close()
+    assert len(r.tokens) == 8 and len(r.decode_s) == 7 and all(d > 0 for d in r.decode_s)

@@ -5,8 +5,8 @@ import importlib.util
 from conftest import ROOT
 
 EXPECTED = ["06_radix_split.png", "06_block_lifecycle.png", "07_varlen_row.png", "08_quant_pool_layout.png",
-            "08_swap_path.png", "14_q4_1_blocks.png", "14_register_tile.png", "15_dfa_tokens.png",
-            "appendix_decode_ladder.png"]
+            "08_swap_path.png", "12_compaction.png", "12_cache_positions.png", "13_selective_recompute.png",
+            "14_q4_1_blocks.png", "14_register_tile.png", "15_dfa_tokens.png", "appendix_decode_ladder.png"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

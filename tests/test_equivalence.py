@@ -1,4 +1,5 @@
-"""所有引擎一起比：同一组请求经过 step01 … step07、step08 的精确模式与 step09（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token。
+"""所有引擎一起比：同一组请求经过 step01 … step07、step08 的精确模式、step09 与 step15（每步一个小适配器），在随机小模型（float32）上给出完全相同的 token；
+再用一个只有 1 个 KV 头（MQA）的小模型把整条链跑一遍，贪心时加上 HF transformers 的 generate。
 
 各步自己的测试拿"上一步"当参考；这里把整条链放在一起，哪一步偏了一眼就能看出来。step05 起默认按块表直接读池子
 （--attention paged）；gather 读法各留一行，两种读法给出同样的 token。
@@ -10,7 +11,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pytest
+import torch
 
+from common.hf_reference import hf_greedy, load_hf_model
+from common.weights import load_model
 from step01_naive.engine import generate as generate01
 from step02_sampling.engine import generate as generate02
 from step02_sampling.sampler import SamplingParams
@@ -25,6 +29,8 @@ from step07_chunked_prefill import engine as step07_engine
 from step08_kv_quant import engine as step08_engine
 from step09_speculative import engine as step09_engine
 from step15_structured_output import engine as step15_engine
+
+from conftest import make_tiny_model_dir
 
 blocks_needed = step05_engine.blocks_needed
 
@@ -141,12 +147,12 @@ def natural_eos(model, requests) -> list[int]:
     return [generate01(model, r.prompt_ids, r.max_new_tokens, ())[2]]
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_every_engine_gives_the_same_tokens(tiny, sampled):
+def run_every_engine(model, sampled: bool, extra: dict[str, list[list[int]]] | None = None):
+    """ENGINES 全部跑同一组请求，逐 token 比较（extra：别处算好的结果，一起比）。"""
     requests = workload(seed=7, sampled=sampled)
-    eos_ids = natural_eos(tiny.model, requests)
+    eos_ids = natural_eos(model, requests)
     engines = [e for e in ENGINES if e.sampling or not sampled]
-    results = {e.name: e.run(tiny.model, requests, eos_ids) for e in engines}
+    results = {e.name: e.run(model, requests, eos_ids) for e in engines}
     ref_name, ref = next(iter(results.items()))
     assert any(len(o) < r.max_new_tokens for o, r in zip(ref, requests)), "no request stopped at EOS"
     assert all(len(o) == r.max_new_tokens for o, r in zip(ref, requests) if r.ignore_eos)
@@ -154,8 +160,33 @@ def test_every_engine_gives_the_same_tokens(tiny, sampled):
         r = next(r for r in requests if r.params.seed is not None)
         other = Request(r.prompt_ids, r.max_new_tokens, SamplingParams(**{**vars(r.params), "seed": r.params.seed + 1}),
                         ignore_eos=True)
-        assert one_by_one(generate02)(tiny.model, [other], ())[0] != \
-            one_by_one(generate02)(tiny.model, [Request(r.prompt_ids, r.max_new_tokens, r.params, True)], ())[0]
+        assert one_by_one(generate02)(model, [other], ())[0] != \
+            one_by_one(generate02)(model, [Request(r.prompt_ids, r.max_new_tokens, r.params, True)], ())[0]
+    for name, fn in (extra or {}).items():
+        results[name] = fn(requests, eos_ids)
     bad = {name: [i for i, (a, b) in enumerate(zip(ref, out)) if a != b] or "count"
            for name, out in results.items() if out != ref}
     assert not bad, f"engines that differ from {ref_name} (request indices): {bad}"
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_engine_gives_the_same_tokens(tiny, sampled):
+    run_every_engine(tiny.model, sampled)
+
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory):
+    """H_kv = 1（MQA）的随机小模型：4 个 query 头共用 1 个 KV 头。它与 HF 的 logits 一致由 tests/test_model.py 检查。"""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("mqa"), "llama", num_key_value_heads=1)
+    return load_model(path, "cpu", torch.float32), load_hf_model(path, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_engine_runs_a_one_kv_head_model_unchanged(mqa, sampled):
+    """第 03 章说 H_kv = 1 时引擎不用改一行：同一组请求经过每一步的引擎（缓存、分页池子、C++ 内核、gather、量化池子的
+    精确模式、换出、投机），与 step01 逐 token 相同；贪心时再与 HF transformers 的 generate 比（不是我们写的参照）。"""
+    model, hf = mqa
+    assert model.cfg.num_kv_heads == 1 and model.cfg.num_heads == 4
+    extra = {} if sampled else {"hf_generate": lambda requests, eos_ids: [
+        hf_greedy(hf, r.prompt_ids, r.max_new_tokens, eos_ids, r.ignore_eos) for r in requests]}
+    run_every_engine(model, sampled, extra)

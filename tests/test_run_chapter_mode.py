@@ -45,17 +45,13 @@ REQUIRED_FIGURES = {
                             "top1_agreement_q8_0", "nll_delta_fraction_q8_0", "bandwidth_gb_s"},
     "step15_structured_output": {"tok_s_unconstrained", "tok_s_constrained_no_jump", "tok_s_constrained_jump",
                                  "mask_ms_per_step", "jump_forward_tokens", "forwards_ratio_jump_vs_no_jump",
-                                 "constrained_stop_fraction"},
+                                 "constrained_stop_fraction", "jump_forward_same_text_fraction"},
 }
 
 # 在随机小模型上必然为假、与代码对错无关的检查：{步骤: {检查名: 理由}}
 EXPECTED_FAILURES = {
     "step05_paged": {
         "workload_has_eos_endings": "负载的前提是对话问题会以 EOS 结束；随机权重的模型从不生成 EOS（真实模型上为真）",
-    },
-    "step15_structured_output": {
-        "jump_forward_same_text_as_no_jump": "不跳时模型自己挑强制那段的切法（例如 `{` + `\"`），跳时按分词器的（`{\"`）；"
-                                             "随机权重的模型看到不同的 token 就接着写出不同的字符串（真实模型上文本相同）",
     },
 }
 

@@ -370,3 +370,25 @@ def test_run_py_generation_mode_equals_step02(real):
                                   ["--prompt", "hi", "--plot", "x.png"]])
 def test_run_py_bad_input_exits_2(args, capsys):
     cli_error(step03_run, args, capsys)
+
+
+def test_cat_cache_peak_is_one_layer_above_the_end_with_gc_off():
+    """analysis/cache_allocations.py 量的峰值（分配器自己的账，gc 关着）：cat 版每一步替换掉的旧张量由引用计数当场释放，
+    峰值只比结束时多一个新建的 K（最后一层、最长的那个）；如果旧张量要等 gc（或者被别处引用着），峰值会堆到累计分配的量级。
+    预分配版只分配一次。第 03 章"分配器看到的"一节引用这几个数。"""
+    from types import SimpleNamespace
+
+    from step03_kvcache_single.analysis import cache_allocations as ca
+    if ca.MALLINFO2 is None:
+        pytest.skip("needs glibc's mallinfo2() to read the allocator's books")
+    cfg = SimpleNamespace(num_layers=4, num_kv_heads=4, head_dim=64)
+    prompt, steps = 16, 128
+    one_k = (prompt + steps - 1) * cfg.num_kv_heads * cfg.head_dim * 4          # 最后一步一层的 K（float32）
+    cat = ca.measure("CatKVCache", cfg, prompt, steps, "cpu")
+    assert cat["allocations"] == steps * 2 * cfg.num_layers
+    assert cat["final"] == 2 * cfg.num_layers * one_k
+    assert 0 <= cat["peak"] - cat["final"] < 2 * one_k, cat
+    assert cat["allocated"] > 20 * cat["peak"]               # 累计分配远大于峰值：不是"攒着等 gc"
+    pre = ca.measure("PreallocKVCache", cfg, prompt, steps, "cpu")
+    assert pre["allocations"] == 1 and pre["peak"] - pre["final"] < one_k
+

@@ -142,3 +142,47 @@ def test_llama_server_reports_its_prompt_cache_hits(tmp_path):
         srv.stop()
     assert all(r.cached_tokens is not None and r.prompt_tokens > 0 for r in res), res
     assert res[1].cached_tokens > 0 and res[3].cached_tokens > 0
+
+
+def test_weights_q4_1_serves_the_shipped_file_on_both_sides(tmp_path, monkeypatch, capsys):
+    """--weights q4_1（不起真的服务器：Server 换成记下命令行的替身，llama-server 那一个记下后就中止）：我们的服务器带
+    --weights q4_1，llama-server 的 -m 是包里自带的 Q4_1 GGUF（不是 F32 的），表头说出两边各服务什么、文件里的张量类型。"""
+    from common.prepare import find_gguf
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeServer:
+        def __init__(self, name, cmd, env, log, port, ready_timeout=300):
+            started[name] = cmd
+            if name == "llama-server":
+                raise Stop
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(B, "Server", FakeServer)
+    args = B.make_parser().parse_args(["--quick", "--weights", "q4_1", "--llama-server", sys.executable])
+    with pytest.raises(Stop):
+        B.main(args)
+    out = capsys.readouterr().out
+    ours = started["ours"]
+    assert ours[ours.index("--weights") + 1] == "q4_1"
+    llama = started["llama-server"]
+    assert llama[llama.index("-m") + 1] == str(find_gguf()) and find_gguf().name.endswith("Q4_1.gguf")
+    assert "--weights q4_1" in out and f"llama-server {find_gguf().name}（Q4_1 ×" in out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--weights", "q4_1", "--compile"], "--compile"),
+    (["--weights", "q4_1", "--model", "TINY"], "GGUF"),
+])
+def test_bad_weights_flags_are_one_error_line(argv, msg, tiny_tok_dir, monkeypatch, capsys):
+    """坏组合在起任何服务器之前一行 error、退出码 2（规则与 step14 的 run.py、服务器相同）。"""
+    argv = [str(tiny_tok_dir) if a == "TINY" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--quick", *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "step11_serving" / "bench_serving.py"), run_name="__main__")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and msg in err, err

@@ -21,12 +21,14 @@ import pytest
 import torch
 
 from common.cli import open_session
+from common.compare import MARGIN_TOL
 from common.errors import UserError
 from step02_sampling.sampler import SamplingParams
 from step04_static_batching.request import Request
 from step09_speculative import engine as step09
 from step15_structured_output import engine as step15
 from step15_structured_output import rejection_sampler
+from step15_structured_output.chapter import jump_relation
 from step15_structured_output.proposer import FakeProposer, Proposal
 from step15_structured_output.schema import literal
 from step15_structured_output.structured import StructuredOutputsParams as SO
@@ -285,8 +287,8 @@ def test_verification_after_a_grammar_cut_is_exact_in_distribution():
 # ---------------- jump-forward ----------------
 
 def test_jump_forward_backs_off_a_token_that_could_span_the_boundary(s):
-    """`{"name": "` 之后是自由的字符串：词表里有 ` "J` 这样跨过边界的 token，所以结尾的 ` "` 不强制（退回），
-    强制的是 `{"`、`name`、`":`。`, "age": ` 同理退回结尾的空格（数字可以与空格连成一个 token）。
+    """`{"name": "` 之后是自由的字符串：词表里有 ` ""`、` "_` 这样以 ` "` 开头、跨过边界的 token，所以结尾的 ` "`
+    不强制（退回），强制的是 `{"`、`name`、`":`。`, "age": ` 同理退回结尾的空格（` -` 是一个负数的开头，跨过了边界）。
     choice 在 "B" 之后强制 `eijing` 和它后面唯一的 EOS。"""
     e = engine(s)
     hf = s.tok.hf
@@ -388,27 +390,87 @@ def test_logprobs_are_of_the_masked_distribution(s):
     assert text(s, ids) in ("yes", "no", "maybe")
 
 
-# ---------------- 真实模型：jump-forward 与不跳的文本相同 ----------------
+# ---------------- jump-forward 与不跳：能保证的关系 ----------------
 
-def test_jump_forward_gives_the_same_text_on_the_real_model(real):
-    """固定键的 schema、贪心：跳与不跳的文本相同。token 不同，而且只差在强制的那几段怎么切：不跳时模型自己在开头
-    选了 `{` + `"`（两个 token），跳时按分词器的切法放进 `{"`（一个）——之后模型写的内容一样。前向少了一多半。"""
+def relation(e, so, r, jumped, plain, logits_fn, n):
+    return jump_relation(e.grammars, so, r.prompt_ids, jumped, plain, n, logits_fn, MARGIN_TOL[torch.float32],
+                         e.grammars.index.token_bytes)
+
+
+def test_jump_forward_is_greedy_with_the_tokenizers_spelling(s):
+    """跳的输出 = 强制的几段（重放得出，分词器的切法）+ 其余每个 token 是它自己上文上铺了掩码的 argmax；与不跳的输出
+    逐 token 相同，直到第一个强制 token 与模型自己的切法不同的地方。强制的 token 与引擎记的账一样多。"""
+    so, n = SO(json=SCHEMA), 40
+    rq = reqs(s, GREEDY, n=n)
+    on, off = engine(s), engine(s, jump_forward=False)
+    a, b = on.generate(rq, so), off.generate(rq, so)
+    forced = 0
+    for r, x, y in zip(rq, a.outputs, b.outputs):
+        rel = relation(on, so, r, x, y, s.full_logits, n)
+        assert rel.ok, rel.reason
+        forced += sum(rel.forced)
+    assert forced == on.structured_stats.jump_tokens > 0
+
+
+def test_jump_relation_can_fail(s):
+    """检查本身会失败：一个采样的位置换成另一个合法的 token（不是 argmax，也不是打平）；一个强制的 token 拆成单字节的
+    token（文本相同，切法不是分词器的：重放不出来）；不跳的输出在一个采样的位置与跳的不同（不是打平）。"""
+    so, n = SO(json=SCHEMA), 40
+    r = reqs(s, GREEDY, n=n)[0]
+    on = engine(s)
+    x = on.generate([r], so).outputs[0]
+    ok = relation(on, so, r, x, x, s.full_logits, n)
+    assert ok.ok and ok.divergence is None
+    logits = s.full_logits(r.prompt_ids + x)[len(r.prompt_ids) - 1:]
+    m = on.grammars.matcher(so)
+    for i, t in enumerate(x):                        # 一个采样的位置，铺了掩码后第一与第二差得远（换掉它不是打平）
+        allowed = m.grammar.masks(m.state).token_ids
+        top = logits[i][allowed].topk(min(2, len(allowed)))
+        if not ok.forced[i] and len(allowed) > 1 and top.values[0] - top.values[1] > 0.05:
+            other = int(allowed[top.indices[1]])
+            break
+        m.accept_token(t)
+    else:
+        pytest.fail("no sampled position with a clear argmax")
+    wrong = x[:i] + [other]                          # max_new_tokens = 它的长度：重放到这里就停，只看 teacher forcing
+    bad = relation(on, so, r, wrong, wrong, s.full_logits, len(wrong))
+    assert not bad.ok and "not the masked argmax" in bad.reason
+    plain = x[:i] + [other]
+    bad = relation(on, so, r, x, plain, s.full_logits, n)
+    assert not bad.ok and f"differ at {i}" in bad.reason
+    table = on.grammars.index.token_bytes
+    j = next(j for j, f in enumerate(ok.forced) if f and len(table[x[j]]) > 1)
+    singles = [table.index(bytes([c])) for c in table[x[j]]]
+    respelled = x[:j] + singles + x[j + 1:]
+    bad = relation(on, so, r, respelled, respelled, s.full_logits, n + len(singles) - 1)
+    assert not bad.ok and "replay" in bad.reason
+
+
+def test_jump_forward_relation_on_the_real_model(real):
+    """固定键的 schema、贪心，真实模型：两个提示词上关系都成立。跳与不跳从第一个 token 起就不同——跳时按分词器的切法放进
+    `{"`（一个 token），不跳时模型自己选了 `{`（它在铺了掩码的 logits 里最大）再写 `"`。第一个提示词之后写的内容一样，
+    文本相同；第二个（章节模式 [4] 的 "Make up a person…"）的名字不同——这不是错，是 jump-forward 换掉了模型看到的 token。
+    前向少于不跳的 0.7 倍。"""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
                                                "city": {"type": "string", "maxLength": 40}},
               "required": ["name", "age", "city"]}
-    rq = [Request(real.tok.encode("Give me a JSON object for a person called Bob who is 42 and lives in Paris.", True),
-                  48, GREEDY)]
-    outs = {}
+    so, n = SO(json=schema), 48
+    rq = [Request(real.tok.encode(t, True), n, GREEDY)
+          for t in ("Give me a JSON object for a person called Bob who is 42 and lives in Paris.",
+                    "Make up a person and describe them in JSON with name, age and city.")]
+    outs, engines = {}, {}
     for jump in (True, False):
-        e = step15.LLMEngine(real.model, step15.EngineConfig(num_blocks=16, block_size=16, jump_forward=jump),
-                             real.tok, real.tok.eos_ids)
-        outs[jump] = e.generate(rq, SO(json=schema))
-        assert outs[jump].finish_reasons == ["stop"]
+        engines[jump] = step15.LLMEngine(real.model, step15.EngineConfig(num_blocks=32, block_size=16, jump_forward=jump),
+                                         real.tok, real.tok.eos_ids)
+        outs[jump] = engines[jump].generate(rq, so)
+        assert outs[jump].finish_reasons == ["stop", "stop"]
     a, b = outs[True], outs[False]
-    ta, tb = real.tok.decode(a.outputs[0]), real.tok.decode(b.outputs[0])
-    assert ta == tb and jsonschema.validate(json.loads(ta), schema) is None
-    assert a.outputs[0] != b.outputs[0]
-    assert real.tok.hf.decode(a.outputs[0][:1]) == '{"' and real.tok.hf.decode(b.outputs[0][:2]) == '{"'
+    for r, x, y in zip(rq, a.outputs, b.outputs):
+        rel = relation(engines[True], so, r, x, y, real.full_logits, n)
+        assert rel.ok and rel.divergence == 0 and rel.reason == "forced spelling", rel.reason
+        assert real.tok.hf.decode(x[:1]) == '{"' and real.tok.hf.decode(y[:1]) == "{"
+        jsonschema.validate(json.loads(real.tok.decode(x)), schema)
+    assert real.tok.decode(a.outputs[0]) == real.tok.decode(b.outputs[0])
     assert a.stats.num_forwards < 0.7 * b.stats.num_forwards
 
 

@@ -6,7 +6,8 @@
   每个样本各自满足；json_object 没写完的是合法的前缀；
 - 坏的约束 400 指名字段，消息里有出错的关键字：schema 里不支持的关键字、写错的正则、两个字段都给、字段的形状不对；
   什么也匹配不了的 schema；
-- 别的引擎照旧拒绝这两个字段（400 指名，并说要 --engine step15）。
+- 别的引擎照旧拒绝这两个字段（400 指名，并说要 --engine step15）；
+- /metrics 里每一步铺掩码的时间、铺过掩码的行、jump-forward 的 token，等于引擎自己的 structured_stats。
 
 服务器在进程内（test_step11_serving.py 的 Served），引擎是随机小模型 + 真实分词器的 step15（engines.build_engine）。
 """
@@ -109,6 +110,20 @@ def test_json_object_is_a_legal_json_prefix(served, tok):
     m = served.engine.grammars.matcher(SO(json_object=True))
     ids = c["token_ids"][:-1] if c["finish_reason"] == "stop" else c["token_ids"]
     assert all(m.accept_token(t) for t in ids)
+
+
+def test_mask_time_per_step_is_in_the_metrics(served):
+    """/metrics 的 llm_structured_output_*：每一步铺掩码的时间一个观测（直方图的次数 = 引擎铺过掩码的步数、和 = 引擎记的
+    总时间）、铺过掩码的行、jump-forward 追加的 token——都等于引擎自己的 structured_stats；一个约束请求之后它们都变大。"""
+    before = served.metric("llm_structured_output_mask_seconds_count")
+    r = post(served, "/v1/chat/completions", {**CHAT, "structured_outputs": {"json": SCHEMA}})
+    assert r.status_code == 200, r.text
+    served.wait_idle()
+    st = served.engine.structured_stats
+    assert served.metric("llm_structured_output_mask_seconds_count") == st.mask_steps > before
+    assert served.metric("llm_structured_output_mask_seconds_sum") == pytest.approx(st.mask_seconds, rel=1e-9)
+    assert served.metric("llm_structured_output_masked_rows_total") == st.masked_rows >= st.mask_steps
+    assert served.metric("llm_structured_output_jump_forward_tokens_total") == st.jump_tokens > 0
 
 
 @pytest.mark.parametrize("extra,param,words", [

@@ -2,7 +2,7 @@
 
 (a) 共享系统提示词：一段约 600 token 的系统提示词 + 各不相同的短问题（套对话模板）；
 (b) 多轮对话：几段对话、每段几轮；每一轮把整段历史（含前几轮模型回复的 token id）按对话模板重新发一遍；
-(c) 小池子：几段共享的文档前缀 × 不同的问题，一部分请求做并行采样（n 个样本），池子小到必然驱逐与抢占。
+(c) 小池子：几段共享的文档前缀 × 不同的问题，一部分请求做并行采样（n 个样本），池子小到必然回收与抢占。
 """
 from dataclasses import dataclass, field
 
@@ -128,7 +128,7 @@ def conversations(quick: bool) -> list[Conversation]:
 def small_pool_workload(tok, quick: bool, n_samples: int = 2, base_seed: int = 2000) -> list[Request]:
     """几段文档前缀（LONG_PROMPT 的不同截取，各约 100 token）× 不同的问题；每段的第一个问题做并行采样
     （n_samples 个样本，种子 base_seed + 偏移），其余贪心；输出长度各不相同。全部 ignore_eos：谁在哪一步被抢占、
-    哪一块被驱逐只取决于长度，与数值无关。"""
+    哪一块被回收只取决于长度，与数值无关。"""
     text = tok.encode(LONG_PROMPT)
     n_docs, n_q, max_new = (2, 2, 8) if quick else (3, 4, 32)
     requests = []

@@ -64,7 +64,7 @@ def check_workload(tok, quick: bool) -> list[Request]:
 def mid_prefill_preemption_workload(tok) -> tuple[list[Request], int, int]:
     """逼出"prefill 到一半被抢占"：两个短提示词各生成 60 个 token，一个 300 token 的长提示词跟在后面分块 prefill。
     池子（24 块 × 16）刚好装下三个请求接纳时要的块；两个短请求写满第 2 块、要第 3 块时池子已空，抢占最新的——
-    正在分块 prefill 的长提示词。它写满的块已经登记进前缀缓存，重新接纳时（没被驱逐的部分）直接命中。
+    正在分块 prefill 的长提示词。它写满的块已经登记进前缀缓存，重新接纳时（没被回收的部分）直接命中。
     返回 (请求, 块数, 预算)；全部 ignore_eos、都在 0 时刻到达：谁在哪一步被抢占只取决于长度。"""
     text = tok.encode(LONG_PROMPT)
     requests = [Request(text[:20], 60, ignore_eos=True),
