@@ -125,8 +125,17 @@ def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1):
         assert c.ok, c.describe()
 
 
-def test_run_py_compile_with_our_kernel(tiny_tok_dir):
-    """run.py --linear ours --compile：step09 的引擎、decode 编译（桶 1）；token 与不编译时相同。以前这个组合被拒绝。"""
+def test_run_py_compile_with_our_kernel(tiny_tok_dir, monkeypatch):
+    """run.py --linear ours --compile：step09 的引擎、decode 真的走编译的图（桶 1，每个 decode 步一次），token 与不编译时
+    相同。以前这个组合被拒绝；光比 token 查不出"--compile 被接受了却没用上"，所以数图被调用了几次。"""
+    graph_steps = []
+    run_bucket = cd.CompiledDecodeModel.run_bucket
+
+    def counted(self, Bp, *rest):
+        graph_steps.append(Bp)
+        return run_bucket(self, Bp, *rest)
+    monkeypatch.setattr(cd.CompiledDecodeModel, "run_bucket", counted)
+
     def tokens(*extra):
         r = run_py("step14_weight_quant", "--prompt", "Hello there", "--model", str(tiny_tok_dir), "--linear", "ours",
                    "--max-batch-size", "1", "--max-new-tokens", "8", "--ignore-eos", "--json", *extra)
@@ -134,7 +143,10 @@ def test_run_py_compile_with_our_kernel(tiny_tok_dir):
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["stats"]["engine"] == "step09"
         return out["results"][0]["output_ids"]
-    assert tokens("--compile") == tokens()
+    eager = tokens()
+    assert graph_steps == []
+    assert tokens("--compile") == eager
+    assert graph_steps.count(1) >= 1 + 7                        # 预热编译一次 + 8 个 token 里的 7 个 decode 步
 
 
 def test_run_py_refuses_compile_with_lossy_activations(capsys):
