@@ -49,7 +49,7 @@ from common.prepare import cache_root
 from step05_paged.paged_attention import paged_attention_op   # 第 05 章的内核，注册成了 PyTorch 算子
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MODES = ("default", "max-autotune", "freezing", "freezing+max-autotune")
+MODES = ("default", "max-autotune", "freezing", "freezing+max-autotune", "cpp-wrapper")
 DEFAULT_MODE = "default"
 
 
@@ -150,6 +150,11 @@ def compile_options(mode: str) -> dict:
         # 权重当常数：常量折叠，矩阵乘换成权重预先打包好的 MKL / oneDNN 版本。光在这里写还不够，见 compiling()；
         # 写在这里让两种模式的后端不相等——dynamo 按后端区分缓存的图，否则 freezing 会直接拿到 default 编好的那张
         options["freezing"] = True
+    if "cpp-wrapper" in mode:
+        # 调用图里各个内核的那层包装也生成成 C++（默认是一段 Python：每个内核、每个算子一次 Python 调用）。
+        # 图里的算子（注意力、step14 的矩阵乘）要是在 C++ 里注册的，一步就没有 Python 了；代价是第一次编译多编一个
+        # 几千行的 C++ 文件（bench/decode_speed.py 的 step14 几行量了两者）
+        options["cpp_wrapper"] = True
     return options
 
 

@@ -89,14 +89,15 @@ def tiny_q4_1(tmp_path_factory):
 
 
 def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1):
-    """perf/compiled_decode.py 的桶 1、2：step05 引擎 eager 与编译的输出相同（贪心与带种子的采样）；
-    dynamo 每个桶一张图、没有断裂（fullgraph=True：有断裂就报错）；图里的矩阵乘确实走 step14 的内核。"""
+    """perf/compiled_decode.py 的桶 1、2（--compile cpp-wrapper：包装也是 C++；默认模式由下面 run.py 的测试覆盖）：
+    step05 引擎 eager 与编译的输出相同（贪心与带种子的采样）；dynamo 每个桶一张图、没有断裂（fullgraph=True：
+    有断裂就报错）；图里的矩阵乘确实是 C++ 注册的 step14 算子，每个投影每步一次。"""
     from torch._dynamo.utils import counters
     model = tiny_q4_1
     breaks = sum(counters["graph_break"].values())
     probe = step05.LLMEngine(model, step05.EngineConfig(32, 4, 2))
     cd.use_inductor_cache_dir()
-    wrapper = cd.CompiledDecodeModel(model, (1, 2), cd.block_table_width(probe))
+    wrapper = cd.CompiledDecodeModel(model, (1, 2), cd.block_table_width(probe), "cpp-wrapper")
     wrapper.warm_up(probe.kv_cache.pool, progress=False)
     assert sum(counters["graph_break"].values()) == breaks
 
@@ -124,8 +125,17 @@ def test_compiled_decode_with_block_weights_equals_eager(lib, tiny_q4_1):
         assert c.ok, c.describe()
 
 
-def test_run_py_compile_with_our_kernel(tiny_tok_dir):
-    """run.py --linear ours --compile：step09 的引擎、decode 编译（桶 1）；token 与不编译时相同。以前这个组合被拒绝。"""
+def test_run_py_compile_with_our_kernel(tiny_tok_dir, monkeypatch):
+    """run.py --linear ours --compile：step09 的引擎、decode 真的走编译的图（桶 1，每个 decode 步一次），token 与不编译时
+    相同。以前这个组合被拒绝；光比 token 查不出"--compile 被接受了却没用上"，所以数图被调用了几次。"""
+    graph_steps = []
+    run_bucket = cd.CompiledDecodeModel.run_bucket
+
+    def counted(self, Bp, *rest):
+        graph_steps.append(Bp)
+        return run_bucket(self, Bp, *rest)
+    monkeypatch.setattr(cd.CompiledDecodeModel, "run_bucket", counted)
+
     def tokens(*extra):
         r = run_py("step14_weight_quant", "--prompt", "Hello there", "--model", str(tiny_tok_dir), "--linear", "ours",
                    "--max-batch-size", "1", "--max-new-tokens", "8", "--ignore-eos", "--json", *extra)
@@ -133,7 +143,10 @@ def test_run_py_compile_with_our_kernel(tiny_tok_dir):
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["stats"]["engine"] == "step09"
         return out["results"][0]["output_ids"]
-    assert tokens("--compile") == tokens()
+    eager = tokens()
+    assert graph_steps == []
+    assert tokens("--compile") == eager
+    assert graph_steps.count(1) >= 1 + 7                        # 预热编译一次 + 8 个 token 里的 7 个 decode 步
 
 
 def test_run_py_refuses_compile_with_lossy_activations(capsys):
