@@ -3,7 +3,7 @@
 - api_server.main 的那条路（命令行 → 加载 → 换权重 → 引擎 → uvicorn；只把前台的 serve 换成后台线程里的同一个应用）：
   默认模型、--weights q4_1 的服务器贪心生成的 token 与 float32 的服务器相同（几个提示词、16 个 token）；
 - run.py 的生成模式（经过服务器）：--linear ours 与 float32 相同；
-- 坏组合：一行 `error:`、退出码 2，消息与 step14 的 run.py 相同（含 --tp/--pp、--compile 点名拒绝）；
+- 坏组合：一行 `error:`、退出码 2，消息与 step14 的 run.py 相同（含 --tp/--pp、有损的 --activations q8 配 --compile 点名拒绝）；
 - 不要 step14 时服务器不 import 它。
 """
 import json
@@ -72,7 +72,7 @@ BAD = [
     (["--weights", "q4_1", "--linear", "packed"], "--weights q4_1 runs step14's block kernel: use --linear ours"),
     (["--activations", "q8"], "--activations q8 goes with --weights q4_1"),
     (["--weights", "q8_0", "--activations", "q8"], "--activations q8 goes with --weights q4_1"),
-    (["--weights", "q4_1", "--compile"], "--compile compiles torch's matmuls"),
+    (["--weights", "q4_1", "--activations", "q8", "--compile"], "--activations q8 has no compiled path"),
     (["--linear", "ours", "--tp", "2"], "drop --tp/--pp"),
     (["--weights", "q8_0", "--pp", "2"], "drop --tp/--pp"),
     (["--weights", "q5_0"], "invalid choice"),
