@@ -175,7 +175,6 @@ def test_weights_q4_1_serves_the_shipped_file_on_both_sides(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--weights", "q4_1", "--compile"], "--compile"),
     (["--weights", "q4_1", "--model", "TINY"], "GGUF"),
 ])
 def test_bad_weights_flags_are_one_error_line(argv, msg, tiny_tok_dir, monkeypatch, capsys):
