@@ -16,7 +16,6 @@ M = 1、8、16 行（与批 M 的一步 decode 同样形状的矩阵乘）的毫
 （子进程里开 MKL_VERBOSE=1 / ONEDNN_VERBOSE=1 数行，torch.profiler 列算子）。
 只测量，不断言。机器有别的负载时（表头印出 load avg）数字不可信。
 """
-import argparse
 import os
 import statistics
 import subprocess
