@@ -504,13 +504,17 @@ def compaction(out: Path) -> Path:
     def xs_of(x0, n, cw):
         return [x0 + s * cw + (s // bs) * gap for s in range(n)]
 
+    def table_header(xs, cw, title, blocks):
+        """块表的标题、每块的物理块号、每个槽的槽号。"""
+        ax.text(xs[0], 6.55, title, fontsize=11, va="center")
+        for b, phys in enumerate(blocks):
+            ax.text(xs[b * bs] + bs * cw / 2, 6.1, f"物理块 {phys}", ha="center", fontsize=9, color="#444444")
+        for n, x in enumerate(xs):
+            ax.text(x + cw / 2, 5.8, str(n), ha="center", fontsize=8.5, color="#444444")
+
     # ① 旧块表
     xo = xs_of(0.55, S, w)
-    ax.text(xo[0], 6.55, f"① 压紧前：{S} 个槽，块表 {OLD_BLOCKS12}", fontsize=11, va="center")
-    for b, phys in enumerate(OLD_BLOCKS12):
-        ax.text(xo[b * bs] + bs * w / 2, 6.1, f"物理块 {phys}", ha="center", fontsize=9, color="#444444")
-    for s_, x in enumerate(xo):
-        ax.text(x + w / 2, 5.8, str(s_), ha="center", fontsize=8.5, color="#444444")
+    table_header(xo, w, f"① 压紧前：{S} 个槽，块表 {OLD_BLOCKS12}", OLD_BLOCKS12)
     ax.text(xo[0] - 0.08, 5.8, "槽", ha="right", fontsize=8.5, color="#444444")
     for hd, y in enumerate(rows_y):
         ax.text(xo[0] - 0.08, y + h / 2, f"头 {hd}", ha="right", va="center", fontsize=10)
@@ -532,11 +536,7 @@ def compaction(out: Path) -> Path:
     # ③ 新块表
     wn = 0.66
     xn = xs_of(8.95, B, wn)
-    ax.text(xn[0], 6.55, f"③ 压紧后：正好 B = {B} 个槽，块表 {NEW_BLOCKS12}", fontsize=11, va="center")
-    for b, phys in enumerate(NEW_BLOCKS12):
-        ax.text(xn[b * bs] + bs * wn / 2, 6.1, f"物理块 {phys}", ha="center", fontsize=9, color="#444444")
-    for n, x in enumerate(xn):
-        ax.text(x + wn / 2, 5.8, str(n), ha="center", fontsize=8.5, color="#444444")
+    table_header(xn, wn, f"③ 压紧后：正好 B = {B} 个槽，块表 {NEW_BLOCKS12}", NEW_BLOCKS12)
     for hd, y in enumerate(rows_y):
         for n, x in enumerate(xn):
             o, d = kept[hd][n], deltas[hd][n]
