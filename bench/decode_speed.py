@@ -91,9 +91,8 @@ def full_logits(model):
 # ---------------------------------------------------------------- 我们的引擎
 
 
-def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True, weights=None) -> Engine:
-    """step03 的 generate 原样（可换缓存类：SdpaKVCache 换注意力内核）。weights：每步读的权重字节（默认
-    weight_bytes_per_step；step14 换过的模型由 step14_engines 给）。"""
+def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True) -> Engine:
+    """step03 的 generate 原样（可换缓存类：SdpaKVCache 换注意力内核）。"""
     def run(ids, n):
         out = []
         cache = cache_cls(model.cfg, len(ids) + n - 1, model.device, model.dtype)
@@ -108,7 +107,7 @@ def step03_engine(name, model, cache_cls=PreallocKVCache, profile=True, weights=
         return lambda: forward(model, cache, [5], cache.length)
 
     kvb = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
-    weights = weight_bytes_per_step(model) if weights is None else weights
+    weights = weight_bytes_per_step(model)
     return Engine(name, run, lambda P, N: weights + (P + N / 2) * kvb, True, full_logits(model),
                   step_once if profile else None)
 
