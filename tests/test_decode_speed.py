@@ -277,3 +277,21 @@ def test_llama_server_runs_the_shipped_q4_1_file():
     finally:
         ll.close()
     assert len(r.tokens) == 8 and len(r.decode_s) == 7 and all(d > 0 for d in r.decode_s)
+
+
+def test_llama_quantize_binary_makes_a_q8_0_gguf(tmp_path, monkeypatch):
+    """没有 llama-cpp-python 时，Q8_0 由与 llama-server 一起编出来的 llama-quantize 从 F32 GGUF 量化（没有时跳过）：
+    gguf_files 给出 Q8_0 的文件，投影都是 Q8_0；坏的输入文件给出带它输出的错误，不留下半个文件。"""
+    from common.prepare import default_model_dir
+    from perf import llamacpp
+    if llamacpp.quantize_binary() is None:
+        pytest.skip("llama-quantize not built (bash bench/llama_server/build.sh)")
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    files = llamacpp.gguf_files(default_model_dir())
+    types = llamacpp.tensor_types(files["Q8_0"])
+    assert "Q8_0" in types and "Q4_1" not in types, types
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(RuntimeError, match="llama-quantize failed"):
+        llamacpp.quantize(bad, tmp_path / "bad-q8.gguf", "Q8_0")
+    assert not (tmp_path / "bad-q8.gguf").exists() and not (tmp_path / "bad-q8.tmp").exists()
